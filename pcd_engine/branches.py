@@ -1,0 +1,111 @@
+"""Token trees: one decision's branch text and candidates, tokenized into a shared chain plus a trie.
+
+Each candidate is tokenized together with the branch text (`'{"x": ' + 'true}'`), because a tokenizer
+merges across that boundary (`' true'`). The tokens all candidates share form the *chain*; what
+follows is each candidate's *continuation*. Continuations that share first tokens share trie nodes, so
+each token is computed once. Only tokens that predict another token are fed to the model: the chain
+and the inner trie nodes; the last token of every continuation is only ever a target.
+
+>>> tree = build_tree(lambda s: [ord(c) for c in s], '{"x": ', ['"ab"}', '"ac"}'])
+>>> len(tree.chain), [len(p) for p in tree.paths]
+(8, [3, 3])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTree:
+    """Fed tokens of one decision's branch and, per candidate, the (position, token) pairs to score.
+
+    `parents[i]` is the fed index whose token precedes token i (-1: the prompt's end); `depths[i]` is
+    its distance from the prompt's end. `paths[c]` lists (fed index whose logits predict, token id)
+    for candidate c. `root` is the last chain token: its logits predict every first continuation token.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    paths: tuple[tuple[tuple[int, int], ...], ...]
+    chain: tuple[int, ...]
+    ancestors: torch.Tensor = field(repr=False)  # (T, T) bool: row i may attend to column j
+
+    @property
+    def root(self) -> int:
+        return len(self.chain) - 1
+
+    @property
+    def scored(self) -> range:
+        """Fed indices whose logits are used: the chain's last token and every trie node."""
+        return range(self.root, len(self.tokens))
+
+    def continuation(self, candidate: int) -> tuple[int, ...]:
+        return tuple(token for _, token in self.paths[candidate])
+
+    def children(self, node: int) -> dict[int, int | None]:
+        """Next tokens after fed index `node`: token id -> fed index of that child (None: a leaf)."""
+        out: dict[int, int | None] = {}
+        for path in self.paths:
+            for k, (pred, token) in enumerate(path):
+                if pred == node:
+                    out[token] = path[k + 1][0] if k + 1 < len(path) else None
+        return out
+
+
+class TokenizationError(RuntimeError):
+    """Candidates whose joint tokenizations are not prefix-free (should not happen with terminators)."""
+
+
+def build_tree(encode: Encode, branch: str, candidates: Sequence[str]) -> TokenTree:
+    if len(candidates) < 2:
+        raise ValueError("a token tree needs at least two candidates")
+    sequences = [encode(branch + c) for c in candidates]
+    shared = _common_prefix_length(sequences)
+    if shared == 0:
+        raise TokenizationError(f"candidates of branch {branch!r} share no first token")
+    chain = sequences[0][:shared]
+    continuations = [s[shared:] for s in sequences]
+    for i, c in enumerate(continuations):
+        if not c or any(o[: len(c)] == c for j, o in enumerate(continuations) if j != i):
+            raise TokenizationError(f"candidate {candidates[i]!r} tokenizes as a prefix of another")
+
+    tokens, parents, depths = list(chain), [i - 1 for i in range(shared)], list(range(shared))
+    node_of: dict[tuple[int, ...], int] = {(): shared - 1}
+    paths = []
+    for cont in continuations:
+        for k in range(1, len(cont)):
+            prefix = tuple(cont[:k])
+            if prefix not in node_of:
+                node_of[prefix] = len(tokens)
+                parents.append(node_of[prefix[:-1]])
+                tokens.append(cont[k - 1])
+                depths.append(shared + k - 1)
+        paths.append(tuple((node_of[tuple(cont[:k])], cont[k]) for k in range(len(cont))))
+    return TokenTree(
+        tuple(tokens), tuple(parents), tuple(depths), tuple(paths), tuple(chain), _ancestors(parents)
+    )
+
+
+def _common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    n = min(len(s) for s in sequences)
+    for i in range(n):
+        if any(s[i] != sequences[0][i] for s in sequences):
+            return i
+    return n
+
+
+def _ancestors(parents: Sequence[int]) -> torch.Tensor:
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            allowed[i] = allowed[p]
+        allowed[i, i] = True
+    return allowed

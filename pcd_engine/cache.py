@@ -1,0 +1,113 @@
+"""PrefixCache: KV caches of recent prompt prefixes, reused by the longest common token prefix.
+
+Entries are keyed by token ids and never mutated: a hit returns a private copy, cropped to the common
+length. The cache is bounded in bytes (least recently used entries go first) and safe under threads.
+The engine stores the per-schema prompt head, so every request with the same schema and instructions
+computes only its own text, the assistant start and the branches.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int = 512 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        self._entries: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def lookup(self, ids: Sequence[int]) -> tuple[Any, int]:
+        """(private KV copy, number of leading tokens it covers); (None, 0) on a miss."""
+        with self._lock:
+            best, best_len = None, 0
+            for key in self._entries:
+                n = _common_prefix(key, ids)
+                if n > best_len:
+                    best, best_len = key, n
+            if best is None:
+                self.stats.misses += 1
+                return None, 0
+            self._entries.move_to_end(best)
+            kv, _ = self._entries[best]
+            self.stats.hits += 1
+            self.stats.reused_tokens += best_len
+            private = copy.deepcopy(kv)
+        if best_len < len(best):
+            private.crop(-(len(best) - best_len))
+        return private, best_len
+
+    def store(self, ids: Sequence[int], kv: Any) -> None:
+        """Keep a private copy of `kv`, which must hold exactly the KV of `ids`."""
+        key = tuple(ids)
+        size = _nbytes(kv)
+        if size > self.max_bytes:
+            return
+        entry = copy.deepcopy(kv)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            self._entries[key] = (entry, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _nbytes(kv: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for value in _tensors(kv, depth=0):
+        if id(value) not in seen:
+            seen.add(id(value))
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _tensors(obj: Any, depth: int) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 4:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item, depth + 1)]
+    if hasattr(obj, "__dict__"):
+        return [t for item in vars(obj).values() for t in _tensors(item, depth + 1)]
+    return []

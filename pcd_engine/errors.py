@@ -1,0 +1,61 @@
+"""One exception root for everything the engine raises on purpose.
+
+Every error says what was wrong, where (field path or input index) and what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class PCDError(Exception):
+    """Root of all errors raised by pcd_engine."""
+
+
+class UnsupportedSchemaError(PCDError, TypeError):
+    """A schema field has a type the engine cannot score.
+
+    Raised at compile time, before any model work, naming the field path, its type, why it is
+    unsupported and which types are supported.
+    """
+
+    def __init__(self, path: str, annotation: object, reason: str) -> None:
+        self.path = path
+        self.annotation = annotation
+        self.reason = reason
+        super().__init__(
+            f"field {path!r} of type {_type_name(annotation)} cannot be scored: {reason}. "
+            f"Supported closed types: {SUPPORTED_TYPES}."
+        )
+
+
+class SchemaLimitError(PCDError, ValueError):
+    """A schema exceeds a configured limit (fields, candidates, tokens per candidate)."""
+
+    def __init__(self, what: str, value: int, limit: int, where: str, option: str) -> None:
+        self.what = what
+        self.value = value
+        self.limit = limit
+        self.where = where
+        super().__init__(
+            f"{where}: {value} {what} exceeds the limit of {limit}; "
+            f"raise it with Limits({option}=...) or simplify the schema."
+        )
+
+
+class InputError(PCDError, ValueError):
+    """An input text cannot be classified (wrong type, empty, or its prompt is too long)."""
+
+
+class ModelLoadError(PCDError, OSError):
+    """A model or tokenizer could not be loaded (hub unreachable, missing file, bad folder)."""
+
+
+SUPPORTED_TYPES = (
+    "Literal[...] of str/int/bool, bool, Enum with str or int values, Optional[<closed>], "
+    "nested BaseModel whose leaves are closed, list[Literal]/set[Literal] (multi-label), "
+    "Annotated[int, Field(ge=.., le=..)] (bounded int)"
+)
+
+
+def _type_name(annotation: object) -> str:
+    name = getattr(annotation, "__name__", None)
+    return name if isinstance(name, str) and "[" not in repr(annotation) else repr(annotation)

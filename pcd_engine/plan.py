@@ -1,0 +1,85 @@
+"""SchemaPlan: a compiled schema bound to a tokenizer, a rule and instructions.
+
+Built once per (schema, rule, instructions) and cached by the engine: the system text, the token ids
+of the shared prompt head, and one token tree per decision. A request then only encodes its own text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pcd_engine.branches import TokenTree, build_tree
+from pcd_engine.errors import SchemaLimitError
+from pcd_engine.layout import branch_text, candidate_text, code_candidates, system_text
+from pcd_engine.prompt import ChatPrompt
+from pcd_engine.schema import CompiledSchema, Decision, Limits
+from pcd_engine.scoring import OptionRule, Rule
+
+
+@dataclass(frozen=True)
+class DecisionPlan:
+    decision: Decision
+    tree: TokenTree | None  # None: a single allowed value, nothing to score
+    rule: Rule  # the rule used for this decision (code falls back to option where codes collide)
+
+
+@dataclass(frozen=True)
+class SchemaPlan:
+    compiled: CompiledSchema
+    system: str
+    head: tuple[int, ...]
+    decisions: tuple[DecisionPlan, ...]
+
+    @property
+    def trees(self) -> list[TokenTree]:
+        return [d.tree for d in self.decisions if d.tree is not None]
+
+    @property
+    def branch_tokens(self) -> int:
+        return sum(len(t.tokens) for t in self.trees)
+
+
+def build_plan(
+    compiled: CompiledSchema, prompt: ChatPrompt, rule: Rule, instructions: str | None, limits: Limits
+) -> SchemaPlan:
+    plans, codes = [], {}
+    for decision in compiled.decisions:
+        field = compiled.fields[decision.field_index]
+        depth = len(decision.json_keys)
+        if len(decision.candidates) < 2:
+            plans.append(DecisionPlan(decision, None, rule))
+            continue
+        if rule.uses_codes and not field.multi_label:
+            coded = _code_tree(prompt, decision, depth)
+            if coded is not None:
+                codes[decision.field_index] = coded[1]
+                plans.append(DecisionPlan(decision, coded[0], rule))
+                continue
+        texts = [candidate_text(c.json, depth) for c in decision.candidates]
+        tree = build_tree(prompt.encode_text, branch_text(decision.json_keys), texts)
+        _check_lengths(tree, decision, limits)
+        fallback = OptionRule("sum") if rule.uses_codes else rule
+        plans.append(DecisionPlan(decision, tree, fallback))
+    system = system_text(compiled, instructions, codes)
+    return SchemaPlan(compiled, system, prompt.render_head(system), tuple(plans))
+
+
+def _code_tree(
+    prompt: ChatPrompt, decision: Decision, depth: int
+) -> tuple[TokenTree, tuple[str, ...]] | None:
+    codes = code_candidates(decision.candidates)
+    if codes is None:
+        return None
+    texts = [candidate_text(code, depth) for code in codes]
+    tree = build_tree(prompt.encode_text, branch_text(decision.json_keys), texts)
+    firsts = [path[0][1] for path in tree.paths]
+    return (tree, codes) if len(set(firsts)) == len(firsts) else None
+
+
+def _check_lengths(tree: TokenTree, decision: Decision, limits: Limits) -> None:
+    for candidate, path in zip(decision.candidates, tree.paths, strict=True):
+        if len(path) > limits.max_candidate_tokens:
+            raise SchemaLimitError(
+                "tokens", len(path), limits.max_candidate_tokens,
+                f"candidate {candidate.json} of field {decision.path!r}", "max_candidate_tokens",
+            )

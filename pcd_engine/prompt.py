@@ -1,0 +1,143 @@
+"""Chat-template rendering to token ids; the only caller of `apply_chat_template`.
+
+The prompt is laid out so that what is fixed per schema comes first:
+
+    head = [template start][system: instructions + field list][template up to the user text]
+    text = [the user's text, encoded as data]
+    tail = [end of user turn][assistant start]
+
+Every content piece (system text, user text, branch text) is encoded with `encode_text`, which never
+produces a special or control token of the template: a text that contains `<|im_start|>` reaches the
+model as the ordinary tokens `<`, `|`, `im`, ... . Only the template's own pieces are encoded with
+special-token parsing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SYSTEM_SLOT = "\x1epcd-system-slot\x1e"
+USER_SLOT = "\x1epcd-user-slot\x1e"
+PLAIN_HEAD, PLAIN_MIDDLE, PLAIN_TAIL = "", "\n\nText:\n", "\n\nAnswer:\n"
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """Token ids of one request's prompt, split where the per-schema prefix ends."""
+
+    head: tuple[int, ...]  # fixed per (schema, instructions): shared by every request
+    text: tuple[int, ...]  # the user's text
+    tail: tuple[int, ...]  # end of user turn + assistant start
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.head, *self.text, *self.tail]
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.text) + len(self.tail)
+
+
+class ChatPrompt:
+    """Renders (system text, user text) with the tokenizer's own chat template into token ids.
+
+    >>> prompt = ChatPrompt(tokenizer, {"enable_thinking": False})  # doctest: +SKIP
+    >>> ids = prompt.render("Classify ...", "my card was charged twice")  # doctest: +SKIP
+    """
+
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.control_strings = _control_strings(tokenizer)
+        self.control_ids = frozenset(_control_ids(tokenizer, self.control_strings))
+        self._system_in_user = False
+        self._pieces = self._template_pieces()
+
+    def encode_text(self, text: str) -> list[int]:
+        """Encode untrusted text as data: no special/control token can come out of it."""
+        ids = self._encode(text)
+        if not self.control_ids.intersection(ids):
+            return ids
+        # The tokenizer still matched a control string (an added token it does not mark special):
+        # cut the text inside every such string so that no piece contains one whole.
+        ids = [i for piece in _split_controls(text, self.control_strings) for i in self._encode(piece)]
+        leaked = self.control_ids.intersection(ids)
+        if leaked:
+            raise RuntimeError(f"tokenizer produced control token ids {sorted(leaked)} from plain text")
+        return ids
+
+    def render(self, system: str, text: str) -> PromptIds:
+        return PromptIds(self.render_head(system), tuple(self.encode_text(text)), self.tail)
+
+    def render_head(self, system: str) -> tuple[int, ...]:
+        start, middle, _ = self._pieces
+        if self._system_in_user:
+            return (*self._encode_control(start), *self.encode_text(system + "\n\n"))
+        return (*self._encode_control(start), *self.encode_text(system), *self._encode_control(middle))
+
+    @property
+    def tail(self) -> tuple[int, ...]:
+        return tuple(self._encode_control(self._pieces[2]))
+
+    def _template_pieces(self) -> tuple[str, str, str]:
+        """Render the template once with slots, and cut it into the three fixed pieces."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return PLAIN_HEAD, PLAIN_MIDDLE, PLAIN_TAIL
+        messages = [{"role": "system", "content": SYSTEM_SLOT}, {"role": "user", "content": USER_SLOT}]
+        try:
+            rendered = self._apply(messages)
+        except Exception:  # templates that reject a system role (they raise TemplateError)
+            rendered = None
+        if rendered is None or rendered.count(SYSTEM_SLOT) != 1:
+            self._system_in_user = True
+            rendered = self._apply([{"role": "user", "content": SYSTEM_SLOT + USER_SLOT}])
+        if rendered.count(USER_SLOT) != 1 or rendered.count(SYSTEM_SLOT) != 1:
+            raise ValueError("the chat template does not render message contents verbatim")
+        start, rest = rendered.split(SYSTEM_SLOT)
+        middle, tail = rest.split(USER_SLOT)
+        return start, middle, tail
+
+    def _apply(self, messages: list[dict[str, str]]) -> str:
+        out = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
+        return str(out)
+
+    def _encode(self, text: str) -> list[int]:
+        enc = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        return list(enc["input_ids"])
+
+    def _encode_control(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _control_strings(tokenizer: Any) -> tuple[str, ...]:
+    """Special tokens, plus added tokens that the chat template itself writes (e.g. `<think>`)."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    found = set(getattr(tokenizer, "all_special_tokens", []))
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        content = str(getattr(token, "content", token))
+        if getattr(token, "special", False) or (content.strip() and content in template):
+            found.add(content)
+    return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+
+def _control_ids(tokenizer: Any, strings: tuple[str, ...]) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []))
+    for s in strings:
+        token_id = tokenizer.convert_tokens_to_ids(s)
+        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+            ids.add(token_id)
+    return ids
+
+
+def _split_controls(text: str, controls: tuple[str, ...]) -> list[str]:
+    """Cut `text` one character into every occurrence of a control string."""
+    pieces, start = [], 0
+    for i in range(len(text)):
+        if any(text.startswith(c, i) for c in controls):
+            pieces.append(text[start : i + 1])
+            start = i + 1
+    pieces.append(text[start:])
+    return [p for p in pieces if p]
