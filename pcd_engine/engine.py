@@ -15,10 +15,10 @@ from pcd_engine.cache import PrefixCache
 from pcd_engine.errors import InputError, PCDError
 from pcd_engine.loading import load_model_and_tokenizer
 from pcd_engine.packing import BranchRunner, PassStats
-from pcd_engine.plan import SchemaPlan, build_plan
+from pcd_engine.plan import DecisionPlan, SchemaPlan, build_plan
 from pcd_engine.prompt import ChatPrompt, PromptIds
 from pcd_engine.results import Diagnostics, FieldResult, PCDResult
-from pcd_engine.schema import JSONScalar, Limits, compile_schema
+from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scoring import Rule, get_rule
 
 T = TypeVar("T", bound=BaseModel)
@@ -66,8 +66,11 @@ class PCDEngine:
         self.prompt = ChatPrompt(tokenizer, chat_template_kwargs)
         self.runner = BranchRunner(model, max_tokens_per_forward)
         self.prefix_cache: PrefixCache | None = (
-            PrefixCache() if prefix_cache is True
-            else prefix_cache if isinstance(prefix_cache, PrefixCache) else None
+            PrefixCache()
+            if prefix_cache is True
+            else prefix_cache
+            if isinstance(prefix_cache, PrefixCache)
+            else None
         )
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
         self._plans_lock = threading.Lock()
@@ -86,7 +89,11 @@ class PCDEngine:
     ) -> PCDEngine:
         """Load a hub id (pin `revision`), a local folder, or a GGUF file, then build the engine."""
         model, tokenizer = load_model_and_tokenizer(
-            name_or_path, revision=revision, gguf_file=gguf_file, device=device, dtype=dtype,
+            name_or_path,
+            revision=revision,
+            gguf_file=gguf_file,
+            device=device,
+            dtype=dtype,
             **dict(model_kwargs or {}),
         )
         return cls(model, tokenizer, **options)
@@ -174,36 +181,35 @@ class PCDEngine:
             )
         return prompt
 
+    def compare_rules(
+        self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")
+    ) -> dict[str, PCDResult[T]]:
+        """Results of several rules that share one layout, all from the same packed pass."""
+        chosen = [get_rule(r) for r in rules]
+        if len({r.uses_codes for r in chosen}) > 1:
+            raise ValueError("rules with and without codes use different prompts; compare them separately")
+        started = time.perf_counter()
+        plan = self.plan(schema, rule=chosen[0])
+        prompt = self._render(plan, text, index=None)
+        return {
+            r.name: result
+            for r, result in zip(chosen, self._score(plan, prompt, started, started, chosen), strict=True)
+        }
+
     def _score(
-        self, plan: SchemaPlan, prompt: PromptIds, started: float, rendered: float
-    ) -> PCDResult[Any]:
+        self,
+        plan: SchemaPlan,
+        prompt: PromptIds,
+        started: float,
+        rendered: float,
+        rules: Sequence[Rule] | None = None,
+    ) -> Any:
+        """One packed pass, then a PCDResult per rule (the plan's rules when `rules` is None)."""
         stats = PassStats()
-        logprobs = iter(
-            self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head))
-        )
+        logprobs = self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head))
         forwarded = time.perf_counter()
-        fields: dict[str, FieldResult] = {}
-        chosen: dict[str, JSONScalar] = {}
-        for dp in plan.decisions:
-            values = [c.value for c in dp.decision.candidates]
-            if dp.tree is None:
-                result = FieldResult(dp.decision.path, values[0], {values[0]: 1.0}, {values[0]: 0.0}, 1.0, "fixed")
-            else:
-                scores = dp.rule.score(dp.tree, next(logprobs))
-                ranked = sorted(scores.probabilities, reverse=True)
-                chosen_p = scores.probabilities[scores.chosen]
-                runner_up = max(p for i, p in enumerate(scores.probabilities) if i != scores.chosen)
-                result = FieldResult(
-                    dp.decision.path,
-                    values[scores.chosen],
-                    dict(zip(values, scores.probabilities, strict=True)),
-                    dict(zip(values, scores.log_scores, strict=True)),
-                    chosen_p - runner_up if ranked else 1.0,
-                    dp.rule.name,
-                )
-            fields[result.path] = result
-            chosen[result.path] = result.value
-        value = plan.compiled.validate(chosen)
+        each: Sequence[Rule | None] = rules or [None]
+        results = [self._assemble(plan, logprobs, rule) for rule in each]
         done = time.perf_counter()
         diagnostics = Diagnostics(
             prompt_tokens=len(prompt),
@@ -217,4 +223,33 @@ class PCDEngine:
                 "total": (done - started) * 1e3,
             },
         )
-        return PCDResult(value, fields, diagnostics)
+        out = [PCDResult(value, fields, diagnostics) for value, fields in results]
+        return out if rules else out[0]
+
+    @staticmethod
+    def _assemble(
+        plan: SchemaPlan, logprobs: list[torch.Tensor], rule: Rule | None
+    ) -> tuple[BaseModel, dict[str, FieldResult]]:
+        rows = iter(logprobs)
+        fields: dict[str, FieldResult] = {}
+        for dp in plan.decisions:
+            fields[dp.decision.path] = _field_result(dp, None if dp.tree is None else next(rows), rule)
+        value = plan.compiled.validate({path: f.value for path, f in fields.items()})
+        return value, fields
+
+
+def _field_result(dp: DecisionPlan, logprobs: torch.Tensor | None, rule: Rule | None) -> FieldResult:
+    values = [c.value for c in dp.decision.candidates]
+    if dp.tree is None or logprobs is None:
+        return FieldResult(dp.decision.path, values[0], {values[0]: 1.0}, {values[0]: 0.0}, 1.0, "fixed")
+    used = dp.rule if rule is None or dp.rule.uses_codes != rule.uses_codes else rule
+    scores = used.score(dp.tree, logprobs)
+    runner_up = max(p for i, p in enumerate(scores.probabilities) if i != scores.chosen)
+    return FieldResult(
+        dp.decision.path,
+        values[scores.chosen],
+        dict(zip(values, scores.probabilities, strict=True)),
+        dict(zip(values, scores.log_scores, strict=True)),
+        scores.probabilities[scores.chosen] - runner_up,
+        used.name,
+    )

@@ -62,7 +62,7 @@ def load_model_and_tokenizer(
         )
     except OSError as error:
         raise ModelLoadError(_load_hint(source, revision, path, error)) from error
-    model.to(resolve_device(device))
+    model.to(resolve_device(device))  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer
 

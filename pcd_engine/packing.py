@@ -57,7 +57,7 @@ def pack_inputs(
         positions.extend(prompt_end + d for d in tree.depths)
     length = len(ids)
     allowed = torch.zeros(length, past_len + length, dtype=torch.bool)
-    allowed[:n_prompt, : prompt_end] = torch.ones(n_prompt, prompt_end, dtype=torch.bool).tril(past_len)
+    allowed[:n_prompt, :prompt_end] = torch.ones(n_prompt, prompt_end, dtype=torch.bool).tril(past_len)
     allowed[n_prompt:, :prompt_end] = True
     for tree, offset in zip(trees, offsets, strict=True):
         rows = slice(offset, offset + len(tree.tokens))
@@ -102,10 +102,10 @@ class BranchRunner:
         cache, past = None, 0
         if prefix_cache is not None:
             cache, past = prefix_cache.lookup(prompt_ids)
+            stats.reused_tokens = past
             if past < cacheable:  # first request of this schema: compute and keep the head alone
                 cache, past = self._prefill_head(prompt_ids[:cacheable], stats), cacheable
                 prefix_cache.store(prompt_ids[:cacheable], cache)
-        stats.reused_tokens = past
         budget = self.max_tokens_per_forward
         groups = microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
         out: list[torch.Tensor] = []

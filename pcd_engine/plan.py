@@ -80,6 +80,9 @@ def _check_lengths(tree: TokenTree, decision: Decision, limits: Limits) -> None:
     for candidate, path in zip(decision.candidates, tree.paths, strict=True):
         if len(path) > limits.max_candidate_tokens:
             raise SchemaLimitError(
-                "tokens", len(path), limits.max_candidate_tokens,
-                f"candidate {candidate.json} of field {decision.path!r}", "max_candidate_tokens",
+                "tokens",
+                len(path),
+                limits.max_candidate_tokens,
+                f"candidate {candidate.json} of field {decision.path!r}",
+                "max_candidate_tokens",
             )

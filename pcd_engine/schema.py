@@ -103,9 +103,7 @@ class CompiledSchema:
                 continue
             for c in f.candidates:
                 key = c.value if isinstance(c.value, str) else c.json
-                decisions.append(
-                    Decision(f"{f.path}[{key}]", (*f.json_keys, key), YES_NO, index, c.value)
-                )
+                decisions.append(Decision(f"{f.path}[{key}]", (*f.json_keys, key), YES_NO, index, c.value))
         object.__setattr__(self, "decisions", tuple(decisions))
 
     def assemble(self, chosen: Mapping[str, JSONScalar]) -> dict[str, Any]:
@@ -131,9 +129,7 @@ class CompiledSchema:
 def compile_schema(schema: type[BaseModel], limits: Limits = Limits()) -> CompiledSchema:
     """Compile a Pydantic model whose leaves are closed choices. Raises before any model work."""
     if not (inspect.isclass(schema) and issubclass(schema, BaseModel)):
-        raise UnsupportedSchemaError(
-            "<root>", schema, "the schema must be a pydantic.BaseModel subclass"
-        )
+        raise UnsupportedSchemaError("<root>", schema, "the schema must be a pydantic.BaseModel subclass")
     fields = tuple(_compile_model(schema, (), (), limits))
     if not fields:
         raise UnsupportedSchemaError(schema.__name__, schema, "the model has no fields")
@@ -194,7 +190,8 @@ def _multi_label(path: str, annotation: Any, limits: Limits) -> tuple[type, tupl
     is_closed = item_origin is Literal or (inspect.isclass(item) and issubclass(item, enum.Enum))
     if not is_closed:
         raise UnsupportedSchemaError(
-            path, annotation,
+            path,
+            annotation,
             "only lists/sets of Literal or Enum values are closed (multi-label); "
             "other lists are open fields, generated rather than scored",
         )
@@ -262,7 +259,8 @@ def _annotated_values(
             high = int(m.lt) - 1  # type: ignore[call-overload]
     if low is None or high is None:
         raise UnsupportedSchemaError(
-            path, annotation,
+            path,
+            annotation,
             "an int is closed only with both bounds, e.g. Annotated[int, Field(ge=1, le=5)]",
         )
     if high < low:

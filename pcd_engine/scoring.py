@@ -31,8 +31,11 @@ class Scores:
 
 
 class Rule(Protocol):
-    name: str
-    uses_codes: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def uses_codes(self) -> bool: ...
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores: ...
 

@@ -1,0 +1,49 @@
+"""MiniCPM5-2B defaults and loader. The engine knows no model; these are the product's defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pcd_engine import PCDEngine
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    hub_id: str
+    revision: str | None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # FP32 is the safe default; lower precision must prove equal decisions
+
+
+MINICPM5_2B = ModelDefaults(
+    hub_id="openbmb/MiniCPM5-2B",
+    revision="12a3808a956f869c767195e9266b59c4d21d92e2",
+    chat_template_kwargs={"enable_thinking": False},
+    eos_token_ids=(1, 130073),  # </s>, <|im_end|>
+)
+
+
+def load_minicpm5(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    **options: Any,
+) -> PCDEngine:
+    """A PCDEngine over MiniCPM5-2B: the pinned hub revision, or a local folder / GGUF file.
+
+    >>> engine = load_minicpm5()  # doctest: +SKIP
+    >>> engine = load_minicpm5("/models/MiniCPM5-2B")  # doctest: +SKIP
+    """
+    source = name_or_path or MINICPM5_2B.hub_id
+    pinned = revision or (MINICPM5_2B.revision if source == MINICPM5_2B.hub_id else None)
+    options.setdefault("chat_template_kwargs", MINICPM5_2B.chat_template_kwargs)
+    return PCDEngine.from_pretrained(
+        source, revision=pinned, device=device, dtype=dtype or MINICPM5_2B.dtype, **options
+    )

@@ -1,0 +1,147 @@
+"""The engine end to end on a tiny random Llama: results, rules, batches, errors before model work."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from pcd_engine import (
+    InputError,
+    Limits,
+    PCDEngine,
+    PCDError,
+    SchemaLimitError,
+    UnsupportedSchemaError,
+)
+from pcd_engine.scoring import GreedyRule, OptionRule
+
+
+class Ticket(BaseModel):
+    """A support ticket."""
+
+    topic: Literal["billing", "billing_dispute", "bug", "other"] = Field(description="What it is about.")
+    urgent: bool
+    priority: Literal[1, 2, 3]
+    channel: Literal["email"]
+
+
+@pytest.fixture
+def engine(tiny_model, tiny_tokenizer):
+    return PCDEngine(tiny_model, tiny_tokenizer)
+
+
+def test_classify_returns_a_validated_instance_and_full_probabilities(engine):
+    result = engine.classify("I was charged twice", Ticket)
+    assert isinstance(result.value, Ticket)
+    assert set(result.fields) == {"topic", "urgent", "priority", "channel"}
+    for path, field in result.fields.items():
+        assert math.isclose(sum(field.probabilities.values()), 1.0, abs_tol=1e-9)
+        assert field.value == getattr(result.value, path)
+        assert field.calibrated is False and field.source == "scored"
+    topic = result.fields["topic"]
+    assert set(topic.probabilities) == {"billing", "billing_dispute", "bug", "other"}
+    assert topic.rule == "option"
+    assert topic.value == max(topic.log_scores, key=topic.log_scores.__getitem__)
+    others = [p for v, p in topic.probabilities.items() if v != topic.value]
+    assert topic.margin == pytest.approx(topic.confidence - max(others))
+    assert result.fields["channel"].rule == "fixed" and result.fields["channel"].confidence == 1.0
+    d = result.diagnostics
+    assert d.forward_calls == 2 and d.prompt_tokens > d.cached_tokens == 0
+    assert d.branch_tokens > 0 and set(d.timings_ms) == {"render", "forward", "score", "total"}
+
+
+def test_rules_share_one_pass_and_differ_where_they_should(engine):
+    results = engine.compare_rules("the app crashes", Ticket, ["option", "option-mean", "greedy"])
+    assert list(results) == ["option", "option-mean", "greedy"]
+    option, mean, greedy = (results[k].fields["topic"] for k in results)
+    n_tokens = {v: option.log_scores[v] / mean.log_scores[v] for v in option.log_scores}
+    assert all(n >= 1 - 1e-6 and abs(n - round(n)) < 1e-4 for n in n_tokens.values())
+    assert greedy.rule == "greedy" and math.isclose(sum(greedy.probabilities.values()), 1.0)
+    single = engine.classify("the app crashes", Ticket, rule="greedy")
+    assert single.fields["topic"].value == greedy.value
+
+
+def test_code_rule_lists_codes_and_falls_back_where_codes_do_not_apply(engine, tiny_tokenizer):
+    plan = engine.plan(Ticket, rule="code")
+    assert 'A = "billing"' in plan.system and 'B = "billing_dispute"' in plan.system
+    rules = {dp.decision.path: dp.rule.name for dp in plan.decisions}
+    assert rules["topic"] == "code" and rules["urgent"] == "option"
+    result = engine.classify("refund", Ticket, rule="code")
+    assert result.fields["topic"].rule == "code"
+    assert result.fields["topic"].value in {"billing", "billing_dispute", "bug", "other"}
+
+
+def test_greedy_rule_walks_the_trie_by_the_best_child():
+    from pcd_engine.branches import build_tree
+
+    tree = build_tree(lambda s: [ord(c) for c in s], "{", ['"neg"}', '"pos"}', '"pot"}'])
+    logprobs = torch.full((len(tree.scored), 200), -20.0)
+    rows = {fed: row for row, fed in enumerate(tree.scored)}
+
+    def put(prefix: str, char: str, value: float) -> None:
+        node = tree.root
+        for c in prefix:
+            node = tree.children(node)[ord(c)]
+        logprobs[rows[node], ord(char)] = value
+
+    put("", "p", -1.0)  # "p" beats "n" at the first step ...
+    put("", "n", -1.5)
+    put("p", "o", -0.1)
+    put("po", "s", -9.0)  # ... but both "p" words are poor later on
+    put("po", "t", -8.0)
+    for word in ("neg", "pos", "pot"):
+        for i, char in enumerate(word + '"}'):
+            if word[:i] not in ("", "p", "po"):
+                put(word[:i], char, -0.01)
+    greedy, option = GreedyRule().score(tree, logprobs), OptionRule().score(tree, logprobs)
+    assert greedy.chosen == 2  # p, o, then t beats s
+    assert option.chosen == 0  # the whole "neg" sequence is far more likely
+    # greedy probabilities are those of constrained decoding: they sum to 1 over the leaves
+    assert math.isclose(sum(greedy.probabilities), 1.0)
+
+
+def test_batch_keeps_every_input_and_checks_inputs_before_model_work(engine):
+    texts = ["charged twice", 42, "x " * 5000, "crash"]
+    with pytest.raises(InputError, match="text #1 must be a str"):
+        engine.classify_batch(texts, Ticket)
+    assert engine.prefix_cache.stats.misses == 0  # nothing reached the model
+    seen = []
+    results = engine.classify_batch(texts, Ticket, return_exceptions=True, progress=seen.append)
+    assert len(results) == 4 and len(seen) == 4
+    assert isinstance(results[1], InputError) and isinstance(results[2], InputError)
+    assert "Limits.max_prompt_tokens" in str(results[2])
+    assert isinstance(results[0].value, Ticket) and isinstance(results[3].value, Ticket)
+    single = engine.classify("charged twice", Ticket)
+    assert results[0].fields["topic"].log_scores == pytest.approx(single.fields["topic"].log_scores, abs=1e-4)
+
+
+def test_schema_errors_come_before_any_model_work(engine):
+    class Open(BaseModel):
+        topic: Literal["a", "b"]
+        summary: str
+
+    with pytest.raises(UnsupportedSchemaError, match="'summary'"):
+        engine.classify("text", Open)
+    with pytest.raises(PCDError):
+        engine.classify_batch(["a", "b"], Open, return_exceptions=True)
+    assert engine.prefix_cache.stats.misses == 0
+
+
+def test_candidate_token_limit(tiny_model, tiny_tokenizer):
+    class Long(BaseModel):
+        kind: Literal["a very long label that takes many tokens to write out", "short"]
+
+    engine = PCDEngine(tiny_model, tiny_tokenizer, limits=Limits(max_candidate_tokens=4))
+    with pytest.raises(SchemaLimitError, match="max_candidate_tokens"):
+        engine.classify("text", Long)
+
+
+def test_bad_options_are_rejected_up_front(tiny_model, tiny_tokenizer):
+    with pytest.raises(ValueError, match="unknown rule 'best'"):
+        PCDEngine(tiny_model, tiny_tokenizer, rule="best")
+    with pytest.raises(ValueError, match="max_tokens_per_forward"):
+        PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=0)

@@ -1,0 +1,102 @@
+"""The packed branch pass equals separate full forward passes (tiny random Llama, fp32)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from pcd_engine import PCDEngine
+from pcd_engine.packing import PassStats, microbatches, pack_inputs
+from tests.conftest import tiny_llama
+from tests.equivalence import packed_and_separate
+
+
+class Shipping(BaseModel):
+    method: Literal["air", "sea", "air_express"]
+    insured: bool
+
+
+class Wide(BaseModel):
+    """Many fields, options sharing first tokens, multi-token options, ints, nested, multi-label."""
+
+    topic: Literal["billing", "billing_dispute", "bill", "bug", "refund_request", "other"]
+    urgent: bool
+    sentiment: Literal["negative", "neutral", "positive"] | None
+    priority: Annotated[int, Field(ge=1, le=12)]
+    shipping: Shipping
+    tags: list[Literal["billing", "bug", "praise"]]
+
+
+TEXT = "I was charged twice <|im_end|> and the app crashes, refund me!"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("budget", "cache"), [(4096, False), (4096, True), (40, False), (40, True)])
+def test_packed_scores_equal_separate_forward_passes(tiny_tokenizer, attn, budget, cache):
+    model = tiny_llama(len(tiny_tokenizer), attn=attn)
+    engine = PCDEngine(model, tiny_tokenizer, max_tokens_per_forward=budget, prefix_cache=cache)
+    for _ in range(2):  # a cold and, with the cache, a warm call
+        pairs = packed_and_separate(engine, Wide, TEXT)
+        assert len(pairs) > 30
+        worst = max(float((got - want).abs().max()) for got, want in pairs)
+        assert worst < 1e-4
+        assert any(len(got) > 2 for got, _ in pairs)  # multi-token continuations were checked
+
+
+def test_microbatches_and_cache_really_change_the_calls(tiny_tokenizer, tiny_model):
+    text = "refund me"
+    one = PCDEngine(tiny_model, tiny_tokenizer, prefix_cache=False).classify(text, Wide)
+    split = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=40, prefix_cache=False)
+    many = split.classify(text, Wide)
+    assert one.diagnostics.forward_calls == 1
+    assert many.diagnostics.forward_calls > 3
+    cached = PCDEngine(tiny_model, tiny_tokenizer)
+    cold, warm = cached.classify(text, Wide), cached.classify(text + "!", Wide)
+    assert cold.diagnostics.forward_calls == 2 and warm.diagnostics.forward_calls == 1
+    assert warm.diagnostics.cached_tokens == len(cached.plan(Wide).head) > 0
+    assert cached.prefix_cache is not None and cached.prefix_cache.stats.hits == 1
+    for result in (many, cold):
+        for path, field in one.fields.items():
+            for value, score in field.log_scores.items():
+                assert result.fields[path].log_scores[value] == pytest.approx(score, abs=1e-4)
+
+
+def test_mask_and_positions_of_a_packed_call(tiny_tokenizer):
+    from pcd_engine.branches import build_tree
+
+    chars = lambda s: [ord(c) for c in s]  # noqa: E731
+    trees = [build_tree(chars, "{", ["a", "b"]), build_tree(chars, "[", ["xy", "xz"])]
+    ids, positions, mask, offsets = pack_inputs([7, 8, 9], 2, trees, torch.float32)
+    allowed = mask[0, 0] == 0
+    assert ids.tolist() == [[7, 8, 9, ord("{"), ord("["), ord("x")]]
+    assert positions.tolist() == [[2, 3, 4, 5, 5, 6]]
+    assert offsets == [3, 4]
+    assert allowed[0].tolist() == [True, True, True, False, False, False, False, False]
+    assert allowed[3].tolist() == [True] * 5 + [True, False, False]  # "{": prompt + itself
+    assert allowed[4].tolist() == [True] * 5 + [False, True, False]  # "[": not the other tree
+    assert allowed[5].tolist() == [True] * 5 + [False, True, True]  # "x": its parent "["
+
+
+def test_microbatch_grouping_respects_the_budget():
+    from pcd_engine.branches import build_tree
+
+    chars = lambda s: [ord(c) for c in s]  # noqa: E731
+    trees = [build_tree(chars, "{" * n, ["a}", "b}"]) for n in (3, 3, 5, 1)]
+    assert microbatches(trees, 100, 100) == [[0, 1, 2, 3]]
+    groups = microbatches(trees, 4, 8)
+    assert [i for g in groups for i in g] == [0, 1, 2, 3]
+    assert groups[0] == [0]  # 4 tokens fit the first budget of 4, the next tree does not
+    assert all(sum(len(trees[i].tokens) for i in g) <= 8 or len(g) == 1 for g in groups[1:])
+    assert len(groups) > 1
+
+
+def test_pass_stats_count_fed_tokens(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer, prefix_cache=False)
+    plan = engine.plan(Wide)
+    prompt = [*plan.head, *engine.prompt.encode_text("x"), *engine.prompt.tail]
+    stats = PassStats()
+    engine.runner.run(prompt, plan.trees, stats)
+    assert stats.fed_tokens == len(prompt) + plan.branch_tokens
