@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--sets", nargs="*", default=list(SETS))
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=None, help="also write all figures here")
+    parser.add_argument("--ours-only", action="store_true", help="skip the floor and AR baselines")
+    parser.add_argument("--no-code", action="store_true", help="skip the code rule (its own prompt)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,8 +183,14 @@ def main() -> None:
         schema, rows = load_set(name, args.limit)
         greedy_rows = rows[: args.ar_greedy_limit or len(rows)]
         results: dict[str, Any] = {}
-        results |= measure("", run_ours(engine, schema, ["option", "option-mean", "greedy"]), rows, name)
-        results |= measure("", run_ours(engine, schema, ["code"]), rows, name)
+        shared_layout = ["option", "option-mean", "greedy", "option-cc", "greedy-cc"]
+        results |= measure("", run_ours(engine, schema, shared_layout), rows, name)
+        if not args.no_code:
+            results |= measure("", run_ours(engine, schema, ["code"]), rows, name)
+        if args.ours_only:
+            report[name] = results
+            print_table(name, results)
+            continue
         results |= measure("floor (bare prefill)", run_floor(engine, schema), rows, name)
         grammar = xgrammar_grammar(engine, schema)
         results |= measure("AR JSON xgrammar", run_ar(engine, schema, SETS[name], grammar), rows, name)

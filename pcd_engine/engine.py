@@ -22,7 +22,8 @@ from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scoring import Rule, get_rule
 
 T = TypeVar("T", bound=BaseModel)
-DEFAULT_RULE = "option"
+CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
+DEFAULT_RULE = "greedy"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
 
 
 class PCDEngine:
@@ -73,6 +74,7 @@ class PCDEngine:
             else None
         )
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
+        self._prior_cache: dict[int, list[torch.Tensor]] = {}
         self._plans_lock = threading.Lock()
 
     @classmethod
@@ -209,7 +211,9 @@ class PCDEngine:
         logprobs = self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head))
         forwarded = time.perf_counter()
         each: Sequence[Rule | None] = rules or [None]
-        results = [self._assemble(plan, logprobs, rule) for rule in each]
+        wanted = list(rules) if rules else [dp.rule for dp in plan.decisions]
+        priors = self._priors(plan, stats) if any(r.corrects_prior for r in wanted) else None
+        results = [self._assemble(plan, logprobs, rule, priors) for rule in each]
         done = time.perf_counter()
         diagnostics = Diagnostics(
             prompt_tokens=len(prompt),
@@ -226,23 +230,51 @@ class PCDEngine:
         out = [PCDResult(value, fields, diagnostics) for value, fields in results]
         return out if rules else out[0]
 
+    def _priors(self, plan: SchemaPlan, stats: PassStats) -> list[torch.Tensor]:
+        """Per tree, the log of the mean probability over content-free texts (cached per plan)."""
+        with self._plans_lock:
+            cached = self._prior_cache.get(id(plan))
+        if cached is not None:
+            return cached
+        runs = []
+        for text in CONTENT_FREE_TEXTS:
+            ids = [*plan.head, *self.prompt.encode_text(text), *self.prompt.tail]
+            runs.append(self.runner.run(ids, plan.trees, stats, self.prefix_cache, len(plan.head)))
+        count = torch.log(torch.tensor(float(len(runs))))
+        priors = [
+            torch.logsumexp(torch.stack(per_tree), dim=0) - count for per_tree in zip(*runs, strict=True)
+        ]
+        with self._plans_lock:
+            self._prior_cache[id(plan)] = priors
+        return priors
+
     @staticmethod
     def _assemble(
-        plan: SchemaPlan, logprobs: list[torch.Tensor], rule: Rule | None
+        plan: SchemaPlan,
+        logprobs: list[torch.Tensor],
+        rule: Rule | None,
+        priors: list[torch.Tensor] | None,
     ) -> tuple[BaseModel, dict[str, FieldResult]]:
-        rows = iter(logprobs)
+        no_priors: list[torch.Tensor | None] = [None] * len(logprobs)
+        rows = iter(zip(logprobs, priors or no_priors, strict=True))
         fields: dict[str, FieldResult] = {}
         for dp in plan.decisions:
-            fields[dp.decision.path] = _field_result(dp, None if dp.tree is None else next(rows), rule)
+            used = dp.rule if rule is None or dp.rule.uses_codes != rule.uses_codes else rule
+            if dp.tree is None:
+                fields[dp.decision.path] = _field_result(dp, None, used)
+                continue
+            lp, prior = next(rows)
+            if used.corrects_prior and prior is not None:
+                lp = lp - prior
+            fields[dp.decision.path] = _field_result(dp, lp, used)
         value = plan.compiled.validate({path: f.value for path, f in fields.items()})
         return value, fields
 
 
-def _field_result(dp: DecisionPlan, logprobs: torch.Tensor | None, rule: Rule | None) -> FieldResult:
+def _field_result(dp: DecisionPlan, logprobs: torch.Tensor | None, used: Rule) -> FieldResult:
     values = [c.value for c in dp.decision.candidates]
     if dp.tree is None or logprobs is None:
         return FieldResult(dp.decision.path, values[0], {values[0]: 1.0}, {values[0]: 0.0}, 1.0, "fixed")
-    used = dp.rule if rule is None or dp.rule.uses_codes != rule.uses_codes else rule
     scores = used.score(dp.tree, logprobs)
     runner_up = max(p for i, p in enumerate(scores.probabilities) if i != scores.chosen)
     return FieldResult(

@@ -10,7 +10,12 @@ All rules read the same packed pass:
 - `CodeRule` ("code"): the log-prob of each candidate's first continuation token only; used with the
   code layout, where string values are listed under single-token codes (A, B, ...).
 
-Probabilities are a softmax over the scores (uncalibrated).
+Any rule can be wrapped in `ContextualCalibration` ("option-cc", "greedy-cc"): the engine then
+subtracts, position by position, the log-probs the same branches get for content-free inputs ("N/A",
+"", "[MASK]"; Zhao et al. 2021, "Calibrate Before Use"), which removes a small model's prior for a
+value (e.g. always `true`, or the first listed option) before the base rule reads the scores.
+
+Probabilities are a softmax over the scores (not calibrated to observed accuracy).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class Rule(Protocol):
     @property
     def uses_codes(self) -> bool: ...
 
+    @property
+    def corrects_prior(self) -> bool: ...
+
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores: ...
 
 
@@ -61,6 +69,7 @@ def _from_scores(log_scores: torch.Tensor, chosen: int | None = None) -> Scores:
 class OptionRule:
     normalize: str = "sum"  # "sum" or "mean"
     uses_codes: bool = False
+    corrects_prior: bool = False
 
     @property
     def name(self) -> str:
@@ -76,6 +85,7 @@ class OptionRule:
 class CodeRule:
     name: str = "code"
     uses_codes: bool = True
+    corrects_prior: bool = False
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         root = logprobs[0]  # row 0 is tree.root
@@ -89,6 +99,7 @@ class CodeRule:
 class GreedyRule:
     name: str = "greedy"
     uses_codes: bool = False
+    corrects_prior: bool = False
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         rows = {fed: row for row, fed in enumerate(tree.scored)}
@@ -115,11 +126,32 @@ class GreedyRule:
         return [tree.continuation(c) for c in range(len(tree.paths))].index(tuple(taken))
 
 
+@dataclass(frozen=True)
+class ContextualCalibration:
+    """A base rule applied to log-probs minus the content-free prior (the engine does the subtraction)."""
+
+    base: Rule
+    corrects_prior: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.base.name}-cc"
+
+    @property
+    def uses_codes(self) -> bool:
+        return self.base.uses_codes
+
+    def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
+        return self.base.score(tree, logprobs)
+
+
 RULES: dict[str, Rule] = {
     "option": OptionRule("sum"),
     "option-mean": OptionRule("mean"),
     "greedy": GreedyRule(),
     "code": CodeRule(),
+    "option-cc": ContextualCalibration(OptionRule("sum")),
+    "greedy-cc": ContextualCalibration(GreedyRule()),
 }
 
 

@@ -31,7 +31,12 @@ class Ticket(BaseModel):
 
 @pytest.fixture
 def engine(tiny_model, tiny_tokenizer):
-    return PCDEngine(tiny_model, tiny_tokenizer)
+    return PCDEngine(tiny_model, tiny_tokenizer, rule="option")
+
+
+def test_default_rule_is_greedy(tiny_model, tiny_tokenizer):
+    result = PCDEngine(tiny_model, tiny_tokenizer).classify("text", Ticket)
+    assert result.fields["topic"].rule == "greedy"
 
 
 def test_classify_returns_a_validated_instance_and_full_probabilities(engine):
@@ -145,3 +150,23 @@ def test_bad_options_are_rejected_up_front(tiny_model, tiny_tokenizer):
         PCDEngine(tiny_model, tiny_tokenizer, rule="best")
     with pytest.raises(ValueError, match="max_tokens_per_forward"):
         PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=0)
+
+
+def test_contextual_calibration_removes_the_content_free_prior(tiny_model, tiny_tokenizer, monkeypatch):
+    import pcd_engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CONTENT_FREE_TEXTS", ("N/A",))
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc")
+    neutral = engine.classify("N/A", Ticket)
+    for path in ("topic", "urgent", "priority"):
+        field = neutral.fields[path]
+        assert field.rule == "option-cc"
+        assert max(abs(s) for s in field.log_scores.values()) < 1e-4  # text == prior: nothing left
+        assert max(field.probabilities.values()) == pytest.approx(1 / len(field.probabilities), abs=1e-4)
+    first, second = engine.classify("refund me", Ticket), engine.classify("refund me", Ticket)
+    assert first.diagnostics.forward_calls == second.diagnostics.forward_calls == 1  # prior cached
+    plain = PCDEngine(tiny_model, tiny_tokenizer, rule="option").classify("refund me", Ticket)
+    prior = PCDEngine(tiny_model, tiny_tokenizer, rule="option").classify("N/A", Ticket)
+    for value, score in first.fields["topic"].log_scores.items():
+        expected = plain.fields["topic"].log_scores[value] - prior.fields["topic"].log_scores[value]
+        assert score == pytest.approx(expected, abs=1e-4)
