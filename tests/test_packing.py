@@ -48,12 +48,14 @@ def test_packed_scores_equal_separate_forward_passes(tiny_tokenizer, attn, budge
 
 def test_microbatches_and_cache_really_change_the_calls(tiny_tokenizer, tiny_model):
     text = "refund me"
-    one = PCDEngine(tiny_model, tiny_tokenizer, prefix_cache=False).classify(text, Wide)
-    split = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=40, prefix_cache=False)
+    one = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy", prefix_cache=False).classify(text, Wide)
+    split = PCDEngine(
+        tiny_model, tiny_tokenizer, rule="greedy", max_tokens_per_forward=40, prefix_cache=False
+    )
     many = split.classify(text, Wide)
     assert one.diagnostics.forward_calls == 1
     assert many.diagnostics.forward_calls > 3
-    cached = PCDEngine(tiny_model, tiny_tokenizer)
+    cached = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy")  # no content-free prior passes
     cold, warm = cached.classify(text, Wide), cached.classify(text + "!", Wide)
     assert cold.diagnostics.forward_calls == 2 and warm.diagnostics.forward_calls == 1
     assert warm.diagnostics.cached_tokens == len(cached.plan(Wide).head) > 0
