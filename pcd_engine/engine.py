@@ -175,7 +175,7 @@ class PCDEngine:
         where = "text" if index is None else f"text #{index}"
         if not isinstance(text, str):
             raise InputError(f"{where} must be a str, got {type(text).__name__}")
-        prompt = PromptIds(plan.head, tuple(self.prompt.encode_text(text)), self.prompt.tail)
+        prompt = self.prompt.with_head(plan.head, text)
         if len(prompt) > self.limits.max_prompt_tokens:
             raise InputError(
                 f"{where}: the prompt is {len(prompt)} tokens, over the limit of "
@@ -238,7 +238,7 @@ class PCDEngine:
             return cached
         runs = []
         for text in CONTENT_FREE_TEXTS:
-            ids = [*plan.head, *self.prompt.encode_text(text), *self.prompt.tail]
+            ids = self.prompt.with_head(plan.head, text).ids
             runs.append(self.runner.run(ids, plan.trees, stats, self.prefix_cache, len(plan.head)))
         count = torch.log(torch.tensor(float(len(runs))))
         priors = [

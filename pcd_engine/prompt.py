@@ -53,6 +53,7 @@ class ChatPrompt:
         self.control_ids = frozenset(_control_ids(tokenizer, self.control_strings))
         self._system_in_user = False
         self._pieces = self._template_pieces()
+        self.tail: tuple[int, ...] = tuple(self._encode_control(self._pieces[2]))
 
     def encode_text(self, text: str) -> list[int]:
         """Encode untrusted text as data: no special/control token can come out of it."""
@@ -68,17 +69,17 @@ class ChatPrompt:
         return ids
 
     def render(self, system: str, text: str) -> PromptIds:
-        return PromptIds(self.render_head(system), tuple(self.encode_text(text)), self.tail)
+        return self.with_head(self.render_head(system), text)
+
+    def with_head(self, head: tuple[int, ...], text: str) -> PromptIds:
+        """A request's prompt on an already rendered head (the per-schema part)."""
+        return PromptIds(head, tuple(self.encode_text(text)), self.tail)
 
     def render_head(self, system: str) -> tuple[int, ...]:
         start, middle, _ = self._pieces
         if self._system_in_user:
             return (*self._encode_control(start), *self.encode_text(system + "\n\n"))
         return (*self._encode_control(start), *self.encode_text(system), *self._encode_control(middle))
-
-    @property
-    def tail(self) -> tuple[int, ...]:
-        return tuple(self._encode_control(self._pieces[2]))
 
     def _template_pieces(self) -> tuple[str, str, str]:
         """Render the template once with slots, and cut it into the three fixed pieces."""
