@@ -23,7 +23,7 @@ from pcd_engine.scoring import Rule, get_rule
 
 T = TypeVar("T", bound=BaseModel)
 CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
-DEFAULT_RULE = "greedy"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
+DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
 
 
 class PCDEngine:

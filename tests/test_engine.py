@@ -34,9 +34,12 @@ def engine(tiny_model, tiny_tokenizer):
     return PCDEngine(tiny_model, tiny_tokenizer, rule="option")
 
 
-def test_default_rule_is_greedy(tiny_model, tiny_tokenizer):
-    result = PCDEngine(tiny_model, tiny_tokenizer).classify("text", Ticket)
-    assert result.fields["topic"].rule == "greedy"
+def test_default_rule_is_option_with_contextual_calibration(tiny_model, tiny_tokenizer):
+    engine = PCDEngine(tiny_model, tiny_tokenizer)
+    first, second = engine.classify("text", Ticket), engine.classify("text", Ticket)
+    assert first.fields["topic"].rule == "option-cc"
+    assert first.diagnostics.forward_calls == 2 + 3  # head, request, three content-free priors
+    assert second.diagnostics.forward_calls == 1
 
 
 def test_classify_returns_a_validated_instance_and_full_probabilities(engine):
