@@ -9,9 +9,11 @@ from pcd_engine.errors import (
     ModelLoadError,
     PCDError,
     SchemaLimitError,
+    StructuredOutputError,
     UnsupportedSchemaError,
 )
-from pcd_engine.results import Diagnostics, FieldResult, PCDResult
+from pcd_engine.generate import Sampling
+from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.scoring import CodeRule, GreedyRule, OptionRule, Rule
 
@@ -21,6 +23,8 @@ __all__ = [
     "CompiledSchema",
     "Diagnostics",
     "FieldResult",
+    "Generation",
+    "GenerationChunk",
     "GreedyRule",
     "InputError",
     "Limits",
@@ -30,7 +34,9 @@ __all__ = [
     "PCDError",
     "PCDResult",
     "Rule",
+    "Sampling",
     "SchemaLimitError",
+    "StructuredOutputError",
     "UnsupportedSchemaError",
     "compile_schema",
 ]

@@ -1,27 +1,37 @@
-"""PCDEngine: compile -> render -> one packed branch pass -> score -> validate -> PCDResult."""
+"""PCDEngine: compile -> render -> one packed branch pass -> score -> (generate open fields) -> validate.
+
+Closed fields are scored in one packed pass; a model with open fields then generates the rest of its
+JSON object with the scored values fixed (filling.py). `generate` / `stream` are plain chat generation.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from pcd_engine.cache import PrefixCache
-from pcd_engine.errors import InputError, PCDError
+from pcd_engine.errors import InputError, PCDError, StructuredOutputError
+from pcd_engine.filling import FillJob, JsonFiller, generated_fields
+from pcd_engine.generate import Completion, Generator, Sampling, StopStrings
 from pcd_engine.loading import load_model_and_tokenizer
+from pcd_engine.output_types import output_type
 from pcd_engine.packing import BranchRunner, PassStats
 from pcd_engine.plan import DecisionPlan, SchemaPlan, build_plan
 from pcd_engine.prompt import ChatPrompt, PromptIds
-from pcd_engine.results import Diagnostics, FieldResult, PCDResult
-from pcd_engine.schema import Limits, compile_schema
+from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
+from pcd_engine.schema import JSONScalar, Limits, compile_schema
 from pcd_engine.scoring import Rule, get_rule
 
 T = TypeVar("T", bound=BaseModel)
+Message = Mapping[str, Any] | tuple[str, str]
 CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
 DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
 
@@ -34,15 +44,20 @@ class PCDEngine:
     >>> class Ticket(BaseModel):
     ...     topic: Literal["billing", "bug", "other"]
     ...     urgent: bool
+    ...     summary: str  # open: generated after the scored fields
     >>> engine = PCDEngine.from_pretrained("openbmb/MiniCPM5-2B")  # doctest: +SKIP
     >>> result = engine.classify("I was charged twice!", Ticket)  # doctest: +SKIP
     >>> result.value.topic, result.fields["topic"].probabilities  # doctest: +SKIP
     ('billing', {'billing': 0.97, 'bug': 0.01, 'other': 0.02})
 
-    Options: `rule` ("option", "option-mean", "greedy", "code" or a Rule object), `limits`,
-    `chat_template_kwargs` (e.g. `{"enable_thinking": False}`), `instructions` (default system
-    instructions), `max_tokens_per_forward` (microbatch budget), `prefix_cache` (True, False or a
-    shared `PrefixCache`: reuse the KV of the per-schema prompt head across calls).
+    Options: `rule` ("option-cc", "option", "option-mean", "greedy", "greedy-cc", "code" or a Rule
+    object), `limits`, `chat_template_kwargs` (e.g. `{"enable_thinking": False}`), `instructions`
+    (default system instructions), `max_tokens_per_forward` (microbatch budget), `prefix_cache` (True,
+    False or a shared `PrefixCache`: reuse the KV of the per-schema prompt head across calls),
+    `allow_generation` (generate open fields; False raises UnsupportedSchemaError for them),
+    `sampling` (default decoding for generation: greedy), `generation_batch_size` (rows per padded
+    generation batch), `stop_token_ids` (end-of-answer ids; default: the model's eos ids and the chat
+    template's end-of-turn token).
     """
 
     def __init__(
@@ -56,9 +71,15 @@ class PCDEngine:
         instructions: str | None = None,
         max_tokens_per_forward: int = 2048,
         prefix_cache: bool | PrefixCache = True,
+        allow_generation: bool = True,
+        sampling: Sampling | None = None,
+        generation_batch_size: int = 16,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> None:
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
+        if generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.rule = get_rule(rule)
@@ -73,6 +94,12 @@ class PCDEngine:
             if isinstance(prefix_cache, PrefixCache)
             else None
         )
+        self.allow_generation = allow_generation
+        self.sampling = sampling or Sampling()
+        self.generation_batch_size = generation_batch_size
+        stops = stop_token_ids if stop_token_ids is not None else _stop_ids(model, tokenizer, self.prompt)
+        self.generator = Generator(model, tokenizer, stops, self.runner.cache_kw)
+        self.filler = JsonFiller(self.generator, self.prompt, self.limits)
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
         self._prior_cache: dict[int, list[torch.Tensor]] = {}
         self._plans_lock = threading.Lock()
@@ -101,20 +128,33 @@ class PCDEngine:
         return cls(model, tokenizer, **options)
 
     def plan(
-        self, schema: type[BaseModel], *, instructions: str | None = None, rule: str | Rule | None = None
+        self,
+        schema: Any,
+        *,
+        instructions: str | None = None,
+        rule: str | Rule | None = None,
+        allow_generation: bool | None = None,
     ) -> SchemaPlan:
         """The cached SchemaPlan for a schema (compiles it on first use; raises schema errors)."""
-        compiled = compile_schema(schema, self.limits)
+        model = output_type(schema).model
+        compiled = compile_schema(model, self.limits, allow_open=True)
+        allowed = self.allow_generation if allow_generation is None else allow_generation
+        if compiled.open_fields and not allowed:
+            raise compiled.open_fields[0].error()
         chosen_rule = self.rule if rule is None else get_rule(rule)
         text = instructions if instructions is not None else self.instructions
-        key = (schema, chosen_rule, text)
+        key = (model, chosen_rule, text)
         with self._plans_lock:
             plan = self._plans.get(key)
-            if plan is None:
-                plan = build_plan(compiled, self.prompt, chosen_rule, text, self.limits)
-                self._plans[key] = plan
+        if plan is None:
+            plan = build_plan(compiled, self.prompt, chosen_rule, text, self.limits)
+            if plan.json_schema is not None:
+                self.filler.check(plan)
+            with self._plans_lock:
+                plan = self._plans.setdefault(key, plan)
         return plan
 
+    @overload
     def classify(
         self,
         text: str,
@@ -122,53 +162,184 @@ class PCDEngine:
         *,
         instructions: str | None = None,
         rule: str | Rule | None = None,
-    ) -> PCDResult[T]:
-        """Classify one text into a validated `schema` instance with per-field probabilities."""
-        started = time.perf_counter()
-        plan = self.plan(schema, instructions=instructions, rule=rule)
-        prompt = self._render(plan, text, index=None)
-        rendered = time.perf_counter()
-        return self._score(plan, prompt, started, rendered)
+        allow_generation: bool | None = None,
+        sampling: Sampling | None = None,
+    ) -> PCDResult[T]: ...
+
+    @overload
+    def classify(
+        self,
+        text: str,
+        schema: Any,
+        *,
+        instructions: str | None = None,
+        rule: str | Rule | None = None,
+        allow_generation: bool | None = None,
+        sampling: Sampling | None = None,
+    ) -> PCDResult[Any]: ...
+
+    def classify(
+        self,
+        text: str,
+        schema: Any,
+        *,
+        instructions: str | None = None,
+        rule: str | Rule | None = None,
+        allow_generation: bool | None = None,
+        sampling: Sampling | None = None,
+    ) -> PCDResult[Any]:
+        """Answer one text with a validated `schema` value and per-field results.
+
+        `schema` is a Pydantic model (gives an instance), a TypedDict or a JSON-schema dict (give a
+        dict). Closed fields are scored; open fields are generated unless `allow_generation=False`.
+        """
+        options = _Options(instructions, rule, allow_generation, sampling)
+        (result,) = self._run([text], schema, options, return_exceptions=False, single=True)
+        assert not isinstance(result, PCDError)
+        return result
 
     def classify_batch(
         self,
         texts: Iterable[str],
-        schema: type[T],
+        schema: Any,
         *,
         instructions: str | None = None,
         rule: str | Rule | None = None,
+        allow_generation: bool | None = None,
+        sampling: Sampling | None = None,
         return_exceptions: bool = False,
         progress: Callable[[int], None] | None = None,
-    ) -> list[PCDResult[T] | PCDError]:
+    ) -> list[PCDResult[Any] | PCDError]:
         """Classify many texts; one entry per input, in order.
 
         Every input is checked before any model work. With `return_exceptions=True`, an input that
-        cannot be classified yields its `PCDError` in place and the others are still classified;
-        otherwise the first such error is raised. `progress(n)` is called after each input.
+        cannot be answered yields its `PCDError` in place and the others are still answered;
+        otherwise the first such error is raised. Open fields are generated in padded batches of
+        `generation_batch_size`. `progress(n)` is called as inputs complete.
         """
-        plan = self.plan(schema, instructions=instructions, rule=rule)
-        items: list[PromptIds | PCDError] = []
-        for index, text in enumerate(texts):
+        options = _Options(instructions, rule, allow_generation, sampling)
+        return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
+
+    def compare_rules(
+        self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")
+    ) -> dict[str, PCDResult[T]]:
+        """Results of several rules that share one layout, all from the same packed pass."""
+        chosen = [get_rule(r) for r in rules]
+        if len({r.uses_codes for r in chosen}) > 1:
+            raise ValueError("rules with and without codes use different prompts; compare them separately")
+        started = time.perf_counter()
+        plan = self.plan(schema, rule=chosen[0], allow_generation=False)
+        prompt = self._render(plan, text, index=None)
+        stats = PassStats()
+        logprobs = self._pass(plan, prompt, stats)
+        priors = self._priors(plan, stats) if any(r.corrects_prior for r in chosen) else None
+        out: dict[str, PCDResult[T]] = {}
+        for r in chosen:
+            work = _Work(text, prompt, started, {}, plan.branch_tokens, stats)
+            work.fields = self._decide(plan, logprobs, r, priors)
+            self._validate_closed(plan, work)
+            result = work.result(lambda value: value)
+            if isinstance(result, PCDError):
+                raise result
+            out[r.name] = result
+        return out
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int = 512,
+        stop: Sequence[str] | None = None,
+        sampling: Sampling | None = None,
+        **sampling_options: Any,
+    ) -> Generation:
+        """Plain chat generation: messages (role/content dicts or pairs) in, the assistant's text out.
+
+        `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
+        is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
+        `seed=` say otherwise.
+        """
+        ids, chosen, stops = self._chat(messages, max_tokens, stop, sampling, sampling_options)
+        (completion,) = self.generator.run(
+            [ids], max_new_tokens=max_tokens, sampling=chosen, stop_strings=stops.stops
+        )
+        text = stops.cut(self.tokenizer.decode(completion.ids, skip_special_tokens=True))
+        return Generation(text, completion.finish_reason, len(ids), len(completion.ids))
+
+    def stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int = 512,
+        stop: Sequence[str] | None = None,
+        sampling: Sampling | None = None,
+        **sampling_options: Any,
+    ) -> Iterator[GenerationChunk]:
+        """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
+        reason and the token counts. Closing the iterator early stops generation."""
+        ids, chosen, stops = self._chat(messages, max_tokens, stop, sampling, sampling_options)
+        done: Completion | None = None
+        pieces = self.generator.stream(
+            ids, max_new_tokens=max_tokens, sampling=chosen, stop_strings=stops.stops
+        )
+        for piece in pieces:
+            if isinstance(piece, Completion):
+                done = piece
+            elif text := stops.feed(piece):
+                yield GenerationChunk(text)
+        if rest := stops.flush():
+            yield GenerationChunk(rest)
+        assert done is not None
+        yield GenerationChunk("", done.finish_reason, len(ids), len(done.ids))
+
+    # -- structured requests -------------------------------------------------------------------
+
+    def _run(
+        self,
+        texts: Sequence[Any],
+        schema: Any,
+        options: _Options,
+        return_exceptions: bool,
+        single: bool,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[PCDResult[Any] | PCDError]:
+        target = output_type(schema)
+        plan = self.plan(
+            target.model,
+            instructions=options.instructions,
+            rule=options.rule,
+            allow_generation=options.allow_generation,
+        )
+        work: list[_Work | PCDError] = []
+        for index, text in enumerate(texts):  # every input is checked before any model work
+            started = time.perf_counter()
             try:
-                items.append(self._render(plan, text, index=index))
+                prompt = self._render(plan, text, index=None if single else index)
             except PCDError as error:
                 if not return_exceptions:
                     raise
-                items.append(error)
-        results: list[PCDResult[T] | PCDError] = []
-        for item in items:
-            if isinstance(item, PCDError):
-                results.append(item)
-            else:
-                started = time.perf_counter()
-                try:
-                    results.append(self._score(plan, item, started, started))
-                except PCDError as error:
-                    if not return_exceptions:
-                        raise
-                    results.append(error)
-            if progress is not None:
+                work.append(error)
+                continue
+            work.append(_Work(text, prompt, started, {"render": _ms(started)}, plan.branch_tokens))
+        generates = plan.json_schema is not None
+        for item in work:
+            if isinstance(item, _Work):
+                self._score(plan, item)
+                if not generates:
+                    self._validate_closed(plan, item)
+            if progress is not None and not generates:
                 progress(1)
+        if generates:
+            pending = [w for w in work if isinstance(w, _Work)]
+            self._fill(plan, pending, options.sampling or self.sampling, single, progress)
+            if progress is not None and len(pending) < len(work):
+                progress(len(work) - len(pending))
+        results: list[PCDResult[Any] | PCDError] = []
+        for item in work:
+            outcome = item if isinstance(item, PCDError) else item.result(target.to_output)
+            if isinstance(outcome, PCDError) and not return_exceptions:
+                raise outcome
+            results.append(outcome)
         return results
 
     def _render(self, plan: SchemaPlan, text: Any, index: int | None) -> PromptIds:
@@ -183,52 +354,100 @@ class PCDEngine:
             )
         return prompt
 
-    def compare_rules(
-        self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")
-    ) -> dict[str, PCDResult[T]]:
-        """Results of several rules that share one layout, all from the same packed pass."""
-        chosen = [get_rule(r) for r in rules]
-        if len({r.uses_codes for r in chosen}) > 1:
-            raise ValueError("rules with and without codes use different prompts; compare them separately")
-        started = time.perf_counter()
-        plan = self.plan(schema, rule=chosen[0])
-        prompt = self._render(plan, text, index=None)
-        return {
-            r.name: result
-            for r, result in zip(chosen, self._score(plan, prompt, started, started, chosen), strict=True)
-        }
+    def _pass(self, plan: SchemaPlan, prompt: PromptIds, stats: PassStats) -> list[torch.Tensor]:
+        if not plan.trees:
+            return []
+        return self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head))
 
-    def _score(
+    def _score(self, plan: SchemaPlan, work: _Work) -> None:
+        """The packed pass under the plan's rules: fills `work.fields` with the scored decisions."""
+        began = time.perf_counter()
+        logprobs = self._pass(plan, work.prompt, work.stats)
+        scoring = time.perf_counter()
+        wanted = [dp.rule for dp in plan.decisions]
+        priors = self._priors(plan, work.stats) if any(r.corrects_prior for r in wanted) else None
+        work.fields = self._decide(plan, logprobs, None, priors)
+        work.timings["forward"] = (scoring - began) * 1e3
+        work.timings["score"] = _ms(scoring)
+
+    @staticmethod
+    def _validate_closed(plan: SchemaPlan, work: _Work) -> None:
+        chosen = work.chosen()
+        try:
+            work.value = plan.compiled.validate(chosen)
+        except ValidationError as error:
+            raw = json.dumps(plan.compiled.assemble(chosen), ensure_ascii=False)
+            work.error = StructuredOutputError("the scored values failed validation", raw, error)
+
+    def _fill(
         self,
         plan: SchemaPlan,
-        prompt: PromptIds,
-        started: float,
-        rendered: float,
-        rules: Sequence[Rule] | None = None,
-    ) -> Any:
-        """One packed pass, then a PCDResult per rule (the plan's rules when `rules` is None)."""
-        stats = PassStats()
-        logprobs = self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head))
-        forwarded = time.perf_counter()
-        each: Sequence[Rule | None] = rules or [None]
-        wanted = list(rules) if rules else [dp.rule for dp in plan.decisions]
-        priors = self._priors(plan, stats) if any(r.corrects_prior for r in wanted) else None
-        results = [self._assemble(plan, logprobs, rule, priors) for rule in each]
-        done = time.perf_counter()
-        diagnostics = Diagnostics(
-            prompt_tokens=len(prompt),
-            cached_tokens=stats.reused_tokens,
-            branch_tokens=plan.branch_tokens,
-            forward_calls=stats.forward_calls,
-            timings_ms={
-                "render": (rendered - started) * 1e3,
-                "forward": (forwarded - rendered) * 1e3,
-                "score": (done - forwarded) * 1e3,
-                "total": (done - started) * 1e3,
-            },
-        )
-        out = [PCDResult(value, fields, diagnostics) for value, fields in results]
-        return out if rules else out[0]
+        work: Sequence[_Work],
+        sampling: Sampling,
+        single: bool,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        """Generate the open fields of every request, in padded batches, with one retry each."""
+        jobs = [self.filler.job(plan, w.prompt.ids, plan.compiled.closed_values(w.chosen())) for w in work]
+        size = self.generation_batch_size
+        for start in range(0, len(work), size):
+            chunk = range(start, min(start + size, len(work)))
+            began = time.perf_counter()
+            cache = self._generation_cache(plan, jobs[start].prompt, work[start]) if single else None
+            completions = self.generator.run(
+                [jobs[i].prompt for i in chunk],
+                max_new_tokens=max(jobs[i].budget for i in chunk),
+                sampling=sampling,
+                matchers=[jobs[i].matcher for i in chunk],
+                cache=cache,
+            )
+            elapsed = _ms(began)
+            for i, completion in zip(chunk, completions, strict=True):
+                work[i].timings["generate"] = elapsed
+                self._finish(plan, work[i], jobs[i], completion, sampling)
+                if progress is not None:
+                    progress(1)
+
+    def _finish(
+        self, plan: SchemaPlan, work: _Work, job: FillJob, completion: Completion, sampling: Sampling
+    ) -> None:
+        """Parse and validate one generated answer; after a validation error, retry once."""
+        for attempt in (1, 2):
+            work.attempts = attempt
+            work.generated_tokens += completion.steps
+            work.stats.forward_calls += completion.steps
+            try:
+                raw, outcome = self.filler.parse(job, completion, plan.compiled.schema)
+            except StructuredOutputError as error:
+                error.attempts = attempt
+                work.error = error
+                return
+            if isinstance(outcome, BaseModel):
+                work.value = outcome
+                work.fields.update(generated_fields(plan, outcome))
+                return
+            if attempt == 2:
+                work.error = StructuredOutputError(
+                    "the generated object failed validation", raw, outcome, attempts=attempt
+                )
+                return
+            began = time.perf_counter()
+            job = self.filler.job(plan, self.filler.retry_prompt(plan, work.text, raw, outcome), job.closed)
+            (completion,) = self.generator.run(
+                [job.prompt],
+                max_new_tokens=job.budget,
+                sampling=sampling,
+                matchers=[job.matcher],
+                cache=self._generation_cache(plan, job.prompt, work),
+            )
+            work.timings["retry"] = _ms(began)
+
+    def _generation_cache(self, plan: SchemaPlan, ids: Sequence[int], work: _Work) -> Any:
+        """A private copy of the cached prompt head, cropped so that at least one token is left to feed."""
+        cache, past = self.runner.cached_prefix(ids, work.stats, self.prefix_cache, len(plan.head))
+        if cache is not None and past >= len(ids):
+            cache.crop(-(past - len(ids) + 1))
+        return cache
 
     def _priors(self, plan: SchemaPlan, stats: PassStats) -> list[torch.Tensor]:
         """Per tree, the log of the mean probability over content-free texts (cached per plan)."""
@@ -249,12 +468,13 @@ class PCDEngine:
         return priors
 
     @staticmethod
-    def _assemble(
+    def _decide(
         plan: SchemaPlan,
         logprobs: list[torch.Tensor],
         rule: Rule | None,
         priors: list[torch.Tensor] | None,
-    ) -> tuple[BaseModel, dict[str, FieldResult]]:
+    ) -> dict[str, FieldResult]:
+        """Every decision's FieldResult under `rule` (None: each decision's own rule)."""
         no_priors: list[torch.Tensor | None] = [None] * len(logprobs)
         rows = iter(zip(logprobs, priors or no_priors, strict=True))
         fields: dict[str, FieldResult] = {}
@@ -267,8 +487,83 @@ class PCDEngine:
             if used.corrects_prior and prior is not None:
                 lp = lp - prior
             fields[dp.decision.path] = _field_result(dp, lp, used)
-        value = plan.compiled.validate({path: f.value for path, f in fields.items()})
-        return value, fields
+        return fields
+
+    # -- chat generation -----------------------------------------------------------------------
+
+    def _chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int,
+        stop: Sequence[str] | str | None,
+        sampling: Sampling | None,
+        options: Mapping[str, Any],
+    ) -> tuple[list[int], Sampling, StopStrings]:
+        """Checked inputs of a chat call: prompt ids, sampling, stop strings (InputError if bad)."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        if not all(isinstance(s, str) for s in stops):
+            raise InputError(f"stop must be a list of strings, got {stop!r}")
+        try:
+            chosen = Sampling(**{**vars(sampling or self.sampling), **options})
+        except TypeError as error:
+            raise InputError(f"unknown sampling option: {error}") from error
+        pairs = _messages(messages)
+        try:
+            ids = self.prompt.render_messages(pairs)
+        except Exception as error:  # jinja2 TemplateError: roles the template rejects, bad order
+            raise InputError(f"the chat template rejected the messages: {error}") from error
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise InputError(
+                f"the prompt is {len(ids)} tokens, over the limit of {self.limits.max_prompt_tokens} "
+                "(Limits.max_prompt_tokens)"
+            )
+        return ids, chosen, StopStrings(stops)
+
+
+@dataclass
+class _Options:
+    instructions: str | None
+    rule: str | Rule | None
+    allow_generation: bool | None
+    sampling: Sampling | None
+
+
+@dataclass
+class _Work:
+    """One structured request on its way through the engine."""
+
+    text: str
+    prompt: PromptIds
+    started: float
+    timings: dict[str, float]
+    branch_tokens: int
+    stats: PassStats = field(default_factory=PassStats)
+    fields: dict[str, FieldResult] = field(default_factory=dict)
+    value: BaseModel | None = None
+    error: PCDError | None = None
+    generated_tokens: int = 0
+    attempts: int = 0
+
+    def chosen(self) -> dict[str, JSONScalar]:
+        return {path: f.value for path, f in self.fields.items() if f.source == "scored"}
+
+    def result(self, to_output: Callable[[BaseModel], Any]) -> PCDResult[Any] | PCDError:
+        if self.error is not None:
+            return self.error
+        assert self.value is not None
+        self.timings["total"] = _ms(self.started)
+        diagnostics = Diagnostics(
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.stats.reused_tokens,
+            branch_tokens=self.branch_tokens,
+            forward_calls=self.stats.forward_calls,
+            timings_ms=dict(self.timings),
+            generated_tokens=self.generated_tokens,
+            attempts=self.attempts,
+        )
+        return PCDResult(to_output(self.value), self.fields, diagnostics)
 
 
 def _field_result(dp: DecisionPlan, logprobs: torch.Tensor | None, used: Rule) -> FieldResult:
@@ -285,3 +580,38 @@ def _field_result(dp: DecisionPlan, logprobs: torch.Tensor | None, used: Rule) -
         scores.probabilities[scores.chosen] - runner_up,
         used.name,
     )
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1e3
+
+
+def _messages(messages: Any) -> list[tuple[str, str]]:
+    """(role, content) pairs from dicts or pairs; InputError naming the first bad message."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} items")
+    out = []
+    for index, message in enumerate(messages):
+        if isinstance(message, Mapping):
+            role, content = message.get("role"), message.get("content")
+        elif isinstance(message, tuple) and len(message) == 2:
+            role, content = message
+        else:
+            raise InputError(f"message #{index} must be a dict with 'role' and 'content' or a pair")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InputError(f"message #{index}: role and content must be strings")
+        out.append((role, content))
+    return out
+
+
+def _stop_ids(model: Any, tokenizer: Any, prompt: ChatPrompt) -> list[int]:
+    """The model's eos ids, the tokenizer's eos id and the template's end-of-turn token."""
+    ids: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(int(v) for v in value)
+    ids.extend(prompt.end_of_turn_ids)
+    return list(dict.fromkeys(ids))

@@ -45,6 +45,20 @@ class InputError(PCDError, ValueError):
     """An input text cannot be classified (wrong type, empty, or its prompt is too long)."""
 
 
+class StructuredOutputError(PCDError, ValueError):
+    """The model's answer could not be turned into a valid object (after the allowed retries).
+
+    `raw` is the last JSON text produced, `error` the validation error (or the reason, such as the token
+    budget running out) and `attempts` the number of generations tried.
+    """
+
+    def __init__(self, message: str, raw: str, error: object = None, attempts: int = 1) -> None:
+        self.raw = raw
+        self.error = error
+        self.attempts = attempts
+        super().__init__(f"{message} (after {attempts} attempt(s)); raw output: {raw[:500]!r}")
+
+
 class ModelLoadError(PCDError, OSError):
     """A model or tokenizer could not be loaded (hub unreachable, missing file, bad folder)."""
 

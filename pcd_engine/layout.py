@@ -23,6 +23,10 @@ DEFAULT_INSTRUCTIONS = (
     "Classify the text in the user's message. Reply with one JSON object with the fields below, "
     "choosing each value only from the allowed ones."
 )
+MIXED_INSTRUCTIONS = (
+    "Answer from the text in the user's message. Reply with one JSON object with the fields below; "
+    "where allowed values are listed, choose only from them."
+)
 CODES = tuple(string.ascii_uppercase + string.ascii_lowercase + string.digits)
 
 
@@ -45,16 +49,30 @@ def system_text(
     compiled: CompiledSchema,
     instructions: str | None,
     codes: Mapping[int, Sequence[str]] | None = None,
+    open_allowed: Mapping[str, str] | None = None,
 ) -> str:
-    """The per-schema system message: instructions, the model's docstring, one line per field."""
+    """The per-schema system message: instructions, the model's docstring, one line per field.
+
+    `open_allowed` describes each open field's values by path (e.g. "Text."); fields are listed in
+    declaration order, closed and open alike.
+    """
     codes = codes or {}
-    lines = [instructions or DEFAULT_INSTRUCTIONS]
+    lines = [instructions or (DEFAULT_INSTRUCTIONS if not compiled.open_fields else MIXED_INSTRUCTIONS)]
     if compiled.description:
         lines.append(compiled.description)
     lines.append("")
     lines.append("Fields:")
-    for index, f in enumerate(compiled.fields):
-        lines.append(_field_line(f, codes.get(index)))
+    closed = {f.path: (index, f) for index, f in enumerate(compiled.fields)}
+    opened = {f.path: f for f in compiled.open_fields}
+    for path in compiled.order or list(closed):
+        if path in closed:
+            index, f = closed[path]
+            lines.append(_field_line(f, codes.get(index)))
+        else:
+            o = opened[path]
+            lines.append(
+                f"{_described(o.json_keys, o.description)} {(open_allowed or {}).get(path, '')}".rstrip()
+            )
     if codes:
         lines.append("")
         lines.append("For a field listed with codes, write the code of the chosen value.")
@@ -62,9 +80,12 @@ def system_text(
 
 
 def _field_line(f: ClosedField, codes: Sequence[str] | None) -> str:
-    name = ".".join(json.dumps(k, ensure_ascii=False) for k in f.json_keys)
-    described = f"- {name}" + (f": {f.description.strip()}" if f.description else "")
-    return f"{described} {_allowed(f, codes)}"
+    return f"{_described(f.json_keys, f.description)} {_allowed(f, codes)}"
+
+
+def _described(json_keys: Sequence[str], description: str | None) -> str:
+    name = ".".join(json.dumps(k, ensure_ascii=False) for k in json_keys)
+    return f"- {name}" + (f": {description.strip()}" if description else "")
 
 
 def _allowed(f: ClosedField, codes: Sequence[str] | None) -> str:

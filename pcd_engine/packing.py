@@ -73,7 +73,7 @@ class BranchRunner:
     def __init__(self, model: Any, max_tokens_per_forward: int = 2048) -> None:
         self.model = model
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
         self._can_slice_logits = "logits_to_keep" in params
         self.max_tokens_per_forward = max_tokens_per_forward
 
@@ -99,13 +99,7 @@ class BranchRunner:
         With a `prefix_cache`, the longest cached prefix of the prompt is reused and, on a miss,
         the KV of the first `cacheable` prompt tokens is stored for later requests.
         """
-        cache, past = None, 0
-        if prefix_cache is not None:
-            cache, past = prefix_cache.lookup(prompt_ids)
-            stats.reused_tokens = past
-            if past < cacheable:  # first request of this schema: compute and keep the head alone
-                cache, past = self._prefill_head(prompt_ids[:cacheable], stats), cacheable
-                prefix_cache.store(prompt_ids[:cacheable], cache)
+        cache, past = self.cached_prefix(prompt_ids, stats, prefix_cache, cacheable)
         budget = self.max_tokens_per_forward
         groups = microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
         out: list[torch.Tensor] = []
@@ -122,6 +116,21 @@ class BranchRunner:
                 cache.crop(-(cache.get_seq_length() - len(prompt_ids)))
         return out
 
+    def cached_prefix(
+        self, prompt_ids: Sequence[int], stats: PassStats, prefix_cache: PrefixCache | None, cacheable: int
+    ) -> tuple[Any, int]:
+        """(private KV, length) of the longest cached prefix of the prompt; on a miss, the first
+        `cacheable` tokens are computed and stored for later requests. (None, 0) without a cache."""
+        if prefix_cache is None:
+            return None, 0
+        cache, past = prefix_cache.lookup(prompt_ids)
+        stats.reused_tokens = past
+        if past < cacheable:  # first request of this schema: compute and keep the head alone
+            cache, past = self._prefill_head(prompt_ids[:cacheable], stats), cacheable
+            prefix_cache.store(prompt_ids[:cacheable], cache)
+        return cache, past
+
+    @torch.inference_mode()
     def _prefill_head(self, head: Sequence[int], stats: PassStats) -> Any:
         ids = torch.tensor([list(head)], device=self.device)
         output = self.model(input_ids=ids, use_cache=True, **self._head_only())
@@ -150,7 +159,7 @@ class BranchRunner:
             "use_cache": keep_cache,
         }
         if cache is not None:
-            kwargs[self._cache_kw] = cache
+            kwargs[self.cache_kw] = cache
         if self._can_slice_logits:
             kwargs["logits_to_keep"] = keep_t
         output = self.model(**kwargs)

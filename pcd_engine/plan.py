@@ -1,15 +1,18 @@
 """SchemaPlan: a compiled schema bound to a tokenizer, a rule and instructions.
 
 Built once per (schema, rule, instructions) and cached by the engine: the system text, the token ids
-of the shared prompt head, and one token tree per decision. A request then only encodes its own text.
+of the shared prompt head, one token tree per decision and, for a model with open fields, its JSON
+schema. A request then only encodes its own text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pcd_engine.branches import TokenTree, build_tree
 from pcd_engine.errors import SchemaLimitError
+from pcd_engine.json_schema import describe, field_schema, model_schema
 from pcd_engine.layout import branch_text, candidate_text, code_candidates, system_text
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.schema import CompiledSchema, Decision, Limits
@@ -29,6 +32,7 @@ class SchemaPlan:
     system: str
     head: tuple[int, ...]
     decisions: tuple[DecisionPlan, ...]
+    json_schema: dict[str, Any] | None = None  # the model's JSON schema, when it has open fields
 
     @property
     def trees(self) -> list[TokenTree]:
@@ -60,8 +64,13 @@ def build_plan(
         _check_lengths(tree, decision, limits)
         fallback = OptionRule("sum") if rule.uses_codes else rule
         plans.append(DecisionPlan(decision, tree, fallback))
-    system = system_text(compiled, instructions, codes)
-    return SchemaPlan(compiled, system, prompt.render_head(system), tuple(plans))
+    schema, described = None, {}
+    if compiled.open_fields:
+        schema = model_schema(compiled.schema)
+        defs = schema.get("$defs", {})
+        described = {f.path: describe(field_schema(schema, f.json_keys), defs) for f in compiled.open_fields}
+    system = system_text(compiled, instructions, codes, described)
+    return SchemaPlan(compiled, system, prompt.render_head(system), tuple(plans), schema)
 
 
 def _code_tree(

@@ -14,7 +14,7 @@ special-token parsing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,29 @@ class ChatPrompt:
         """A request's prompt on an already rendered head (the per-schema part)."""
         return PromptIds(head, tuple(self.encode_text(text)), self.tail)
 
+    def render_messages(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """A whole conversation (role, content) followed by the assistant start, contents as data."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            turns = "".join(f"{role.title()}: {text}\n\n" for role, text in messages)
+            return self.encode_text(turns + "Assistant:")
+        if self._system_in_user:
+            messages = _fold_system(messages)
+        slots = [f"\x1epcd-slot-{i}\x1e" for i in range(len(messages))]
+        slotted = [{"role": role, "content": slot} for (role, _), slot in zip(messages, slots, strict=True)]
+        rest = self._apply(slotted)
+        ids: list[int] = []
+        for slot, (_, content) in zip(slots, messages, strict=True):
+            if rest.count(slot) != 1:
+                raise ValueError("the chat template does not render message contents verbatim")
+            before, rest = rest.split(slot)
+            ids += self._encode_control(before) + self.encode_text(content)
+        return ids + self._encode_control(rest)
+
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The control token that closes a turn in this template (ChatML: `<|im_end|>`), if any."""
+        return tuple(self.tail[:1]) if self.tail and self.tail[0] in self.control_ids else ()
+
     def render_head(self, system: str) -> tuple[int, ...]:
         start, middle, _ = self._pieces
         if self._system_in_user:
@@ -131,6 +154,23 @@ def _control_ids(tokenizer: Any, strings: tuple[str, ...]) -> set[int]:
         if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
             ids.add(token_id)
     return ids
+
+
+def _fold_system(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """For templates without a system role: system text goes in front of the next user message."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for role, content in messages:
+        if role == "system":
+            pending += content + "\n\n"
+        elif role == "user" and pending:
+            out.append((role, pending + content))
+            pending = ""
+        else:
+            out.append((role, content))
+    if pending:
+        out.append(("user", pending.rstrip()))
+    return out
 
 
 def _split_controls(text: str, controls: tuple[str, ...]) -> list[str]:

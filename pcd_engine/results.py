@@ -10,39 +10,45 @@ from pydantic import BaseModel
 
 from pcd_engine.schema import JSONScalar
 
-T = TypeVar("T", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class FieldResult:
-    """One scored decision.
+    """One field of the answer: a scored decision, or a generated open field.
 
-    `probabilities` and `log_scores` are keyed by every allowed JSON value (str, int, bool or None);
-    `margin` is the chosen value's probability minus the runner-up's. `rule` names the scoring rule
-    used ("fixed" for a field with a single allowed value); `calibrated` is False while the
-    probabilities are a plain softmax over scores.
+    For a scored field (`source == "scored"`), `probabilities` and `log_scores` are keyed by every
+    allowed JSON value (str, int, bool or None); `margin` is the chosen value's probability minus the
+    runner-up's; `rule` names the scoring rule ("fixed" for a field with a single allowed value);
+    `calibrated` is False while the probabilities are a plain softmax over scores. A generated field
+    (`source == "generated"`) has its value (any JSON value) and no scores.
     """
 
     path: str
-    value: JSONScalar
+    value: Any
     probabilities: dict[JSONScalar, float]
     log_scores: dict[JSONScalar, float]
-    margin: float
+    margin: float | None
     rule: str
     calibrated: bool = False
     source: str = "scored"
 
+    @classmethod
+    def generated(cls, path: str, value: Any) -> FieldResult:
+        return cls(path, value, {}, {}, None, "generated", source="generated")
+
     @property
-    def confidence(self) -> float:
-        return self.probabilities[self.value]
+    def confidence(self) -> float | None:
+        """The chosen value's probability; None for a generated field."""
+        return self.probabilities[self.value] if self.source == "scored" else None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "value": self.value,
-            "probabilities": {json_key(k): p for k, p in self.probabilities.items()},
-            "margin": self.margin,
-            "rule": self.rule,
-        }
+        out: dict[str, Any] = {"value": self.value, "source": self.source}
+        if self.source == "scored":
+            out["probabilities"] = {json_key(k): p for k, p in self.probabilities.items()}
+            out["margin"] = self.margin
+            out["rule"] = self.rule
+        return out
 
 
 @dataclass(frozen=True)
@@ -52,11 +58,34 @@ class Diagnostics:
     branch_tokens: int
     forward_calls: int
     timings_ms: dict[str, float] = field(default_factory=dict)
+    generated_tokens: int = 0  # decoding steps of constrained generation (open fields)
+    attempts: int = 0  # generations run for open fields: 1, or 2 after a retry
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The answer of `PCDEngine.generate`: text, why it ended, token counts."""
+
+    text: str
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One piece of `PCDEngine.stream`; the last has the finish reason and the token counts."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class PCDResult(Generic[T]):
-    """`value` is a validated instance of the schema; `fields` is keyed by dotted path."""
+    """`value` is a validated instance of the schema (a dict for TypedDict and JSON-schema inputs);
+    `fields` is keyed by dotted path."""
 
     value: T
     fields: dict[str, FieldResult]
@@ -64,7 +93,7 @@ class PCDResult(Generic[T]):
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "value": self.value.model_dump(mode="json"),
+            "value": self.value.model_dump(mode="json") if isinstance(self.value, BaseModel) else self.value,
             "fields": {path: f.to_json() for path, f in self.fields.items()},
         }
 

@@ -1,7 +1,9 @@
-"""Pydantic model -> CompiledSchema: the closed fields, their candidate values, and the limits.
+"""Pydantic model -> CompiledSchema: the closed fields and their candidate values, the open fields.
 
-Compilation is pure (no tokenizer, no model) and cached per (schema, limits). Every unsupported type
-raises `UnsupportedSchemaError` here, before any model work.
+A closed field (Literal, bool, Enum, bounded int, Optional of those, list/set of Literal) is scored;
+any other leaf is open and is generated (constrained AR) when `allow_open=True`. Compilation is pure
+(no tokenizer, no model) and cached per (schema, limits, allow_open). With `allow_open=False` the first
+open field raises `UnsupportedSchemaError` here, before any model work.
 
 >>> from typing import Literal
 >>> from pydantic import BaseModel
@@ -41,9 +43,18 @@ class Limits:
     max_candidates: int = 256
     max_prompt_tokens: int = 4096
     max_candidate_tokens: int = 64
+    max_generated_tokens: int = 2048  # cap on the schema-derived budget of a generation
+    max_string_tokens: int = 256  # budget of a generated string that has no max_length
 
     def __post_init__(self) -> None:
-        for name in ("max_fields", "max_candidates", "max_prompt_tokens", "max_candidate_tokens"):
+        for name in (
+            "max_fields",
+            "max_candidates",
+            "max_prompt_tokens",
+            "max_candidate_tokens",
+            "max_generated_tokens",
+            "max_string_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
@@ -73,6 +84,20 @@ class ClosedField:
 
 
 @dataclass(frozen=True)
+class OpenField:
+    """A leaf field that cannot be scored: its value is generated under the model's JSON schema."""
+
+    path: str
+    json_keys: tuple[str, ...]
+    description: str | None
+    annotation: Any
+    reason: str  # why it is not a closed choice
+
+    def error(self) -> UnsupportedSchemaError:
+        return UnsupportedSchemaError(self.path, self.annotation, self.reason)
+
+
+@dataclass(frozen=True)
 class Decision:
     """One scored choice. A plain field is one decision; a multi-label field is one per option."""
 
@@ -92,7 +117,9 @@ class CompiledSchema:
 
     schema: type[BaseModel]
     description: str | None
-    fields: tuple[ClosedField, ...]
+    fields: tuple[ClosedField, ...]  # the closed (scored) fields
+    open_fields: tuple[OpenField, ...] = ()  # the generated fields
+    order: tuple[str, ...] = ()  # dotted paths of all leaves, closed and open, in declaration order
     decisions: tuple[Decision, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -124,16 +151,37 @@ class CompiledSchema:
     def validate(self, chosen: Mapping[str, JSONScalar]) -> BaseModel:
         return self.schema.model_validate(self.assemble(chosen))
 
+    def closed_values(self, chosen: Mapping[str, JSONScalar]) -> dict[tuple[str, ...], Any]:
+        """The value of every closed field (multi-label ones as lists), keyed by JSON key path."""
+        data = self.assemble(chosen)
+        out: dict[tuple[str, ...], Any] = {}
+        for f in self.fields:
+            node: Any = data
+            for key in f.json_keys:
+                node = node[key]
+            out[f.json_keys] = node
+        return out
+
 
 @functools.lru_cache(maxsize=256)
-def compile_schema(schema: type[BaseModel], limits: Limits = Limits()) -> CompiledSchema:
-    """Compile a Pydantic model whose leaves are closed choices. Raises before any model work."""
+def compile_schema(
+    schema: type[BaseModel], limits: Limits = Limits(), allow_open: bool = False
+) -> CompiledSchema:
+    """Compile a Pydantic model into closed (scored) and open (generated) fields.
+
+    With `allow_open=False` every leaf must be a closed choice. Raises before any model work.
+    """
     if not (inspect.isclass(schema) and issubclass(schema, BaseModel)):
         raise UnsupportedSchemaError("<root>", schema, "the schema must be a pydantic.BaseModel subclass")
-    fields = tuple(_compile_model(schema, (), (), limits))
-    if not fields:
+    leaves = _compile_model(schema, (), (), limits, allow_open)
+    if not leaves:
         raise UnsupportedSchemaError(schema.__name__, schema, "the model has no fields")
-    compiled = CompiledSchema(schema, _docstring(schema), fields)
+    open_fields = tuple(f for f in leaves if isinstance(f, OpenField))
+    if open_fields and not allow_open:
+        raise open_fields[0].error()
+    fields = tuple(f for f in leaves if isinstance(f, ClosedField))
+    order = tuple(f.path for f in leaves)
+    compiled = CompiledSchema(schema, _docstring(schema), fields, open_fields, order)
     n = len(compiled.decisions)
     if n > limits.max_fields:
         raise SchemaLimitError("scored fields", n, limits.max_fields, schema.__name__, "max_fields")
@@ -146,26 +194,37 @@ def _docstring(schema: type[BaseModel]) -> str | None:
 
 
 def _compile_model(
-    model: type[BaseModel], path: tuple[str, ...], keys: tuple[str, ...], limits: Limits
-) -> list[ClosedField]:
-    out: list[ClosedField] = []
+    model: type[BaseModel], path: tuple[str, ...], keys: tuple[str, ...], limits: Limits, allow_open: bool
+) -> list[ClosedField | OpenField]:
+    out: list[ClosedField | OpenField] = []
     for name, info in model.model_fields.items():
         key = info.alias if isinstance(info.alias, str) else name
         field_path, field_keys = (*path, name), (*keys, key)
         annotation = _annotated(info)
         nested = _nested_model(annotation)
         if nested is not None:
-            out.extend(_compile_model(nested, field_path, field_keys, limits))
+            out.extend(_compile_model(nested, field_path, field_keys, limits, allow_open))
             continue
         dotted = ".".join(field_path)
-        multi = _multi_label(dotted, annotation, limits)
-        if multi is not None:
-            container, candidates = multi
-            out.append(ClosedField(dotted, field_keys, info.description, candidates, True, container))
-        else:
-            candidates = _candidates(dotted, annotation, limits)
-            out.append(ClosedField(dotted, field_keys, info.description, candidates))
+        try:
+            out.append(_closed_field(dotted, field_keys, info, annotation, limits))
+        except UnsupportedSchemaError as error:  # not a closed choice: generated when allowed
+            out.append(OpenField(dotted, field_keys, info.description, annotation, error.reason))
+        except SchemaLimitError as error:  # a bounded int too wide to score is generated instead
+            if not (allow_open and _base_type(annotation) is int):
+                raise
+            out.append(OpenField(dotted, field_keys, info.description, annotation, str(error)))
     return out
+
+
+def _closed_field(
+    path: str, keys: tuple[str, ...], info: FieldInfo, annotation: Any, limits: Limits
+) -> ClosedField:
+    multi = _multi_label(path, annotation, limits)
+    if multi is not None:
+        container, candidates = multi
+        return ClosedField(path, keys, info.description, candidates, True, container)
+    return ClosedField(path, keys, info.description, _candidates(path, annotation, limits))
 
 
 def _annotated(info: FieldInfo) -> Any:
@@ -173,6 +232,10 @@ def _annotated(info: FieldInfo) -> Any:
     if info.metadata:
         return Annotated[(info.annotation, *info.metadata)]  # type: ignore[misc]
     return info.annotation
+
+
+def _base_type(annotation: Any) -> Any:
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
@@ -228,7 +291,8 @@ def _closed_values(path: str, annotation: Any) -> Sequence[JSONScalar]:
                 path, annotation, "unions are supported only as Optional[<closed type>]"
             )
         if _nested_model(members[0]) is not None:
-            raise UnsupportedSchemaError(path, annotation, "optional nested models are not supported")
+            reason = "an optional nested model is an open field (generated, not scored)"
+            raise UnsupportedSchemaError(path, annotation, reason)
         return [*_closed_values(path, members[0]), None]
     if origin is Literal:
         return [_literal_value(path, annotation, a) for a in args]

@@ -133,10 +133,13 @@ def test_schema_errors_come_before_any_model_work(engine):
         summary: str
 
     with pytest.raises(UnsupportedSchemaError, match="'summary'"):
-        engine.classify("text", Open)
+        engine.classify("text", Open, allow_generation=False)
     with pytest.raises(PCDError):
-        engine.classify_batch(["a", "b"], Open, return_exceptions=True)
-    assert engine.prefix_cache.stats.misses == 0
+        engine.classify_batch(["a", "b"], Open, return_exceptions=True, allow_generation=False)
+    strict = PCDEngine(engine.model, engine.tokenizer, allow_generation=False)
+    with pytest.raises(UnsupportedSchemaError, match="free text is an open field"):
+        strict.classify("text", Open)
+    assert engine.prefix_cache.stats.misses == 0 and strict.prefix_cache.stats.misses == 0
 
 
 def test_candidate_token_limit(tiny_model, tiny_tokenizer):

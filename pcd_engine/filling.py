@@ -1,0 +1,124 @@
+"""Open fields: generate the JSON object with the scored values already fixed, then parse and validate.
+
+For one request: pin the scored values into the model's JSON schema (`json_schema.pinned_schema`), compile
+it with xgrammar, write the forced JSON text (everything up to the first open value) after the prompt,
+and let constrained generation continue. The answer is parsed and validated by the Pydantic model; a
+validation error gets one retry with the error shown to the model, then `StructuredOutputError`.
+
+>>> filler.job(plan, prompt_ids, closed={("topic",): "billing"})  # doctest: +SKIP
+FillJob(prompt=[...], forced='{"topic": "billing", "summary": ', ...)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from pcd_engine.errors import StructuredOutputError, UnsupportedSchemaError
+from pcd_engine.generate import Completion, Generator
+from pcd_engine.json_schema import Keys, pinned_schema, token_budget
+from pcd_engine.plan import SchemaPlan
+from pcd_engine.prompt import ChatPrompt
+from pcd_engine.results import FieldResult
+from pcd_engine.schema import Limits
+
+RETRY_TEXT = (
+    "Your JSON answer was rejected by validation:\n{error}\n"
+    "Reply again with one corrected JSON object for the same text."
+)
+
+
+@dataclass
+class FillJob:
+    prompt: list[int]  # prompt ids followed by the forced JSON text
+    forced: str  # the JSON text written before generation (the scored values, the first open key)
+    matcher: Any  # xgrammar matcher, already past `forced`
+    budget: int  # max new tokens
+    closed: Mapping[Keys, Any]
+
+
+class JsonFiller:
+    def __init__(self, generator: Generator, prompt: ChatPrompt, limits: Limits) -> None:
+        self.generator = generator
+        self.prompt = prompt
+        self.limits = limits
+
+    def check(self, plan: SchemaPlan) -> None:
+        """Compile the unpinned schema once, so an unsupported schema fails before any model work."""
+        assert plan.json_schema is not None
+        try:
+            self.generator.compile_json(json.dumps(plan.json_schema))
+        except Exception as error:  # xgrammar raises RuntimeError/ValueError on schemas it cannot express
+            raise UnsupportedSchemaError(
+                plan.compiled.schema.__name__,
+                plan.compiled.schema,
+                f"its JSON schema cannot be turned into a grammar: {error}",
+            ) from error
+
+    def job(self, plan: SchemaPlan, prompt_ids: Sequence[int], closed: Mapping[Keys, Any]) -> FillJob:
+        assert plan.json_schema is not None
+        open_keys = [f.json_keys for f in plan.compiled.open_fields]
+        pinned = pinned_schema(plan.json_schema, closed, open_keys)
+        matcher = self.generator.matcher(self.generator.compile_json(json.dumps(pinned)))
+        # Leave the space and opening quote before the first open value to the model: its own
+        # tokens merge them with the value (` "Anna`); a lone trailing space token derails it.
+        forced = matcher.find_jump_forward_string().removesuffix('"').rstrip(" ")
+        if not matcher.accept_string(forced):
+            raise RuntimeError(f"the grammar rejected its own forced text {forced!r}")
+        budget = min(token_budget(pinned, self.limits.max_string_tokens), self.limits.max_generated_tokens)
+        ids = [*prompt_ids, *self.prompt.encode_text(forced)]
+        return FillJob(ids, forced, matcher, budget, closed)
+
+    def parse(self, job: FillJob, completion: Completion, model: type[BaseModel]) -> tuple[str, Any]:
+        """(raw JSON text, validated instance or the ValidationError); raises when the budget ran out."""
+        raw = job.forced + self.generator.tokenizer.decode(completion.ids, skip_special_tokens=True)
+        if completion.finish_reason == "length":  # the grammar allows a stop token only once complete
+            raise StructuredOutputError(
+                f"generation used its whole budget of {job.budget} tokens (derived from the schema; "
+                "Limits.max_generated_tokens / max_string_tokens) before the JSON object was complete",
+                raw,
+            )
+        data = json.loads(raw)
+        for keys, value in job.closed.items():
+            node = data
+            for key in keys:
+                node = node[key]
+            if node != value:  # the grammar pins them: this would be a bug, never a model choice
+                raise RuntimeError(f"generation changed the scored field {'.'.join(keys)}: {node!r}")
+        try:
+            return raw, model.model_validate(data)
+        except ValidationError as error:
+            return raw, error
+
+    def retry_prompt(self, plan: SchemaPlan, text: str, raw: str, error: ValidationError) -> list[int]:
+        messages = [
+            ("system", plan.system),
+            ("user", text),
+            ("assistant", raw),
+            ("user", RETRY_TEXT.format(error=_describe(error))),
+        ]
+        return self.prompt.render_messages(messages)
+
+
+def generated_fields(plan: SchemaPlan, value: BaseModel) -> dict[str, FieldResult]:
+    """One FieldResult per open field, read from the validated object's JSON form."""
+    data = value.model_dump(mode="json", by_alias=True)
+    out = {}
+    for f in plan.compiled.open_fields:
+        node: Any = data
+        for key in f.json_keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        out[f.path] = FieldResult.generated(f.path, node)
+    return out
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors(include_url=False):
+        where = ".".join(str(p) for p in item["loc"]) or "<object>"
+        lines.append(f"- {where}: {item['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,274 @@
+"""Autoregressive generation through Hugging Face `generate`: plain text and grammar-constrained JSON.
+
+Constraints come from xgrammar: one `GrammarMatcher` per row masks the logits in a LogitsProcessor.
+transformers runs custom processors before its sampling warpers (temperature, top-p, min-p), so a
+sampled token is always one the grammar allows. Rows are left-padded into one batch; a prefix KV cache
+(from the engine's PrefixCache) may be passed for a single row so that only the uncached tail of the
+prompt is computed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+)
+
+from pcd_engine.errors import InputError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding parameters. `temperature=0` is greedy (the default); MiniCPM5 recommends
+    temperature 1.0, top_p 0.95, min_p 0.0 for sampled chat."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": self.temperature >= 0,
+            "top_p": 0 < self.top_p <= 1,
+            "min_p": 0 <= self.min_p < 1,
+            "repetition_penalty": self.repetition_penalty > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise InputError(f"sampling parameter {name}={getattr(self, name)!r} is out of range")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def config(self) -> dict[str, Any]:
+        if self.greedy:
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": 0,
+            "min_p": self.min_p or None,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+
+@dataclass(frozen=True)
+class Completion:
+    ids: list[int]  # the generated tokens, stop token and padding removed
+    finish_reason: str  # "stop" (stop token, stop string or grammar end) or "length" (token budget)
+    steps: int  # decoding steps taken (forward calls)
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks each row's logits to the tokens its xgrammar matcher allows (None: unconstrained)."""
+
+    def __init__(self, matchers: Sequence[Any | None], vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.matchers = list(matchers)
+        self.bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.calls:
+            for row, matcher in enumerate(self.matchers):
+                if matcher is not None and not matcher.is_terminated():
+                    token = int(input_ids[row, -1])
+                    if not matcher.accept_token(token):
+                        raise RuntimeError(f"row {row}: the grammar rejected token {token}")
+        self.calls += 1
+        self.bitmask.fill_(-1)
+        for row, matcher in enumerate(self.matchers):
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(self.bitmask, row)
+        self.xgr.apply_token_bitmask_inplace(scores, self.bitmask.to(scores.device))
+        return scores
+
+
+class _Cancelled(StoppingCriteria):
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full(
+            (input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device
+        )
+
+
+class Generator:
+    """Runs `model.generate` for rows of prompt ids, with optional grammar matchers per row."""
+
+    def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], cache_kw: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_ids = list(dict.fromkeys(int(i) for i in stop_ids))
+        if not self.stop_ids:
+            raise ValueError("generation needs at least one stop token id (eos)")
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._cache_kw = cache_kw
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def compile_json(self, schema_json: str) -> Any:
+        """An xgrammar grammar for compact JSON (`, ` and `: ` separators) valid under the schema."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler.compile_json_schema(
+                schema_json, any_whitespace=False, separators=(", ", ": "), strict_mode=True
+            )
+
+    @staticmethod
+    def matcher(grammar: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(grammar)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        matchers: Sequence[Any] | None = None,
+        stop_strings: Sequence[str] = (),
+        streamer: Any = None,
+        cache: Any = None,
+        cancel: threading.Event | None = None,
+    ) -> list[Completion]:
+        """Generate for every row; returns one Completion per row, in order."""
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding
+            ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+            mask[row, width - len(prompt) :] = 1
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            stop_strings=list(stop_strings) or None,
+            **sampling.config(),
+        )
+        kwargs: dict[str, Any] = {}
+        if matchers is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([GrammarProcessor(matchers, self.vocab_size)])
+        if stop_strings:
+            kwargs["tokenizer"] = self.tokenizer  # stop strings are matched on token texts
+        if cancel is not None:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_Cancelled(cancel)])
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        with torch.random.fork_rng(devices=[]) if sampling.seed is not None else nullcontext():
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            out = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=config,
+                streamer=streamer,
+                **kwargs,
+            )
+        new = out[:, width:].tolist()
+        return [self._completion(row, max_new_tokens, stop_strings) for row in new]
+
+    def _completion(self, row: list[int], max_new_tokens: int, stop_strings: Sequence[str]) -> Completion:
+        steps = len(row)
+        while row and row[-1] == self.pad_id and self.pad_id not in self.stop_ids:
+            row = row[:-1]
+        stops = [i for i, token in enumerate(row) if token in self.stop_ids]
+        if stops:
+            return Completion(row[: stops[0]], "stop", stops[0] + 1)
+        text = self.tokenizer.decode(row, skip_special_tokens=True)
+        if any(s in text for s in stop_strings) or len(row) < max_new_tokens:
+            return Completion(row, "stop", steps)
+        return Completion(row, "length", steps)
+
+    def stream(
+        self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, stop_strings: Sequence[str]
+    ) -> Iterator[str | Completion]:
+        """Text pieces as they are decoded, then the Completion. Closing the iterator stops generation."""
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        cancel = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                outcome["done"] = self.run(
+                    [prompt],
+                    max_new_tokens=max_new_tokens,
+                    sampling=sampling,
+                    stop_strings=stop_strings,
+                    streamer=streamer,
+                    cancel=cancel,
+                )[0]
+            except BaseException as error:  # re-raised in the caller's thread
+                outcome["error"] = error
+                streamer.end()
+
+        thread = threading.Thread(target=work, name="pcd-generate", daemon=True)
+        thread.start()
+        try:
+            yield from streamer
+        finally:
+            cancel.set()
+            thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        yield outcome["done"]
+
+
+class StopStrings:
+    """Cuts text at the first stop string; when streaming, holds back what may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buffer = ""
+        self.stopped = False
+
+    def cut(self, text: str) -> str:
+        hits = [text.find(s) for s in self.stops if s in text]
+        return text[: min(hits)] if hits else text
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.buffer += piece
+        cut = self.cut(self.buffer)
+        if len(cut) < len(self.buffer):
+            self.stopped, self.buffer = True, ""
+            return cut
+        hold = max(
+            (n for s in self.stops for n in range(1, len(s)) if self.buffer.endswith(s[:n])), default=0
+        )
+        out, self.buffer = self.buffer[: len(self.buffer) - hold], self.buffer[len(self.buffer) - hold :]
+        return out
+
+    def flush(self) -> str:
+        out, self.buffer = ("" if self.stopped else self.buffer), ""
+        return out

@@ -1,0 +1,276 @@
+"""Open fields: compiler split, pinned JSON schema, budgets, output types, mixed models on a tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import Enum
+from typing import Annotated, ClassVar, Literal, TypedDict
+
+import pytest
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from pcd_engine import (
+    InputError,
+    Limits,
+    PCDEngine,
+    StructuredOutputError,
+    UnsupportedSchemaError,
+    compile_schema,
+)
+from pcd_engine.json_schema import model_schema, pinned_schema, token_budget
+from pcd_engine.output_types import output_type
+
+
+class Kind(str, Enum):
+    BUG = "bug"
+    BILLING = "billing"
+
+
+class Shipping(BaseModel):
+    method: Literal["air", "sea"]
+    note: str = Field(max_length=12)
+
+
+class Ticket(BaseModel):
+    """A support ticket."""
+
+    topic: Kind
+    summary: str = Field(max_length=20, description="One line.")
+    refund: bool
+    priority: int = Field(ge=1, le=3)
+    shipping: Shipping
+    tags: list[str] = Field(default_factory=list, max_length=2)
+
+
+def test_compiler_splits_closed_and_open_fields_in_declaration_order():
+    compiled = compile_schema(Ticket, Limits(), allow_open=True)
+    assert [f.path for f in compiled.fields] == ["topic", "refund", "priority", "shipping.method"]
+    assert [f.path for f in compiled.open_fields] == ["summary", "shipping.note", "tags"]
+    assert compiled.order == (
+        "topic",
+        "summary",
+        "refund",
+        "priority",
+        "shipping.method",
+        "shipping.note",
+        "tags",
+    )
+    assert "free text" in compiled.open_fields[0].reason
+    with pytest.raises(UnsupportedSchemaError, match=r"'summary'.*free text"):
+        compile_schema(Ticket)  # allow_open defaults to False
+
+
+def test_a_bounded_int_too_wide_to_score_is_generated():
+    class Order(BaseModel):
+        quantity: int = Field(ge=0, le=10_000)
+        gift: bool
+
+    compiled = compile_schema(Order, Limits(), allow_open=True)
+    assert [f.path for f in compiled.open_fields] == ["quantity"]
+    assert "max_candidates" in compiled.open_fields[0].reason
+
+
+def test_pinned_schema_fixes_scored_values_first_and_requires_them():
+    compiled = compile_schema(Ticket, Limits(), allow_open=True)
+    chosen = {"topic": "bug", "refund": True, "priority": 2, "shipping.method": "sea"}
+    closed = compiled.closed_values(chosen)
+    pinned = pinned_schema(model_schema(Ticket), closed, [f.json_keys for f in compiled.open_fields])
+    assert list(pinned["properties"]) == ["topic", "refund", "priority", "summary", "shipping", "tags"]
+    assert pinned["properties"]["topic"] == {"const": "bug"}
+    assert pinned["required"] == ["topic", "refund", "priority", "summary", "shipping"]  # tags has a default
+    shipping = pinned["properties"]["shipping"]  # a nested model with a scored leaf is inlined
+    assert list(shipping["properties"]) == ["method", "note"] and shipping["properties"]["method"] == {
+        "const": "sea"
+    }
+    assert shipping["required"] == ["method", "note"]
+
+
+def test_token_budget_is_finite_and_follows_max_length():
+    schema = model_schema(Ticket)
+    short = token_budget(schema, default_string_tokens=10)
+    assert 0 < short < token_budget(schema, default_string_tokens=100)
+    bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 7}}}
+    assert token_budget(bounded) == 2 + len('"s"') + 3 + 7 + 2
+
+
+def test_typed_dict_follows_langchain_annotated_convention():
+    class Joke(TypedDict):
+        """A joke to tell the user."""
+
+        setup: Annotated[str, ..., "The setup of the joke"]
+        punchline: Annotated[str | None, None, "The punchline"]
+        rating: Annotated[int, Field(ge=1, le=10)]
+
+    target = output_type(Joke)
+    fields = target.model.model_fields
+    assert target.returns_dict and target.model.__doc__ == "A joke to tell the user."
+    assert fields["setup"].is_required() and fields["setup"].description == "The setup of the joke"
+    assert not fields["punchline"].is_required() and fields["punchline"].default is None
+    assert compile_schema(target.model, Limits(), allow_open=True).fields[0].path == "rating"  # bounded int
+    assert target.to_output(target.model(setup="s", rating=3)) == {"setup": "s", "rating": 3}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {
+            "title": "Pick",
+            "type": "object",
+            "properties": {"kind": {"enum": ["a", "b"]}},
+            "required": ["kind"],
+        },
+        {"name": "Pick", "parameters": {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}}},
+        {
+            "type": "function",
+            "function": {"name": "Pick", "parameters": {"properties": {"kind": {"enum": ["a", "b"]}}}},
+        },
+    ],
+)
+def test_json_schema_dicts_become_models_with_closed_fields(schema):
+    target = output_type(schema)
+    assert target.returns_dict and target.model.__name__ == "Pick"
+    assert compile_schema(target.model).fields[0].candidates[0].value == "a"
+    assert output_type(dict(schema)) is target  # converted once per distinct schema
+
+
+def test_bad_schemas_raise_unsupported_schema_error():
+    with pytest.raises(UnsupportedSchemaError, match="TypedDict or a JSON-schema dict"):
+        output_type(int)
+    with pytest.raises(UnsupportedSchemaError, match="object with 'properties'"):
+        output_type({"type": "string"})
+
+
+@pytest.fixture
+def engine(tiny_model, tiny_tokenizer):
+    return PCDEngine(tiny_model, tiny_tokenizer, rule="option")
+
+
+class Small(BaseModel):
+    topic: Literal["billing", "bug", "other"]
+    summary: str = Field(max_length=16)
+    urgent: bool
+
+
+def test_mixed_model_scores_closed_fields_and_generation_never_changes_them(engine):
+    for text in ["I was charged twice", "The app crashes", "hello"]:
+        result = engine.classify(text, Small)
+        assert isinstance(result.value, Small)
+        for path in ("topic", "urgent"):
+            field = result.fields[path]
+            assert field.source == "scored"
+            assert field.value == max(field.probabilities, key=field.probabilities.__getitem__)
+            assert getattr(result.value, path) == field.value
+            assert math.isclose(sum(field.probabilities.values()), 1.0, abs_tol=1e-9)
+        summary = result.fields["summary"]
+        assert summary.source == "generated" and summary.rule == "generated"
+        assert summary.value == result.value.summary and summary.confidence is None
+        assert len(result.value.summary) <= 16
+        assert result.diagnostics.generated_tokens > 0 and result.diagnostics.attempts == 1
+
+
+def test_scored_values_are_written_into_the_generated_json(engine):
+    plan = engine.plan(Small)
+    prompt = engine.prompt.with_head(plan.head, "text")
+    job = engine.filler.job(plan, prompt.ids, {("topic",): "other", ("urgent",): False})
+    assert job.forced == '{"topic": "other", "urgent": false, "summary":'
+    (completion,) = engine.generator.run(
+        [job.prompt], max_new_tokens=job.budget, sampling=engine.sampling, matchers=[job.matcher]
+    )
+    raw, value = engine.filler.parse(job, completion, Small)
+    assert json.loads(raw)["topic"] == "other" and value.urgent is False
+
+
+def test_generation_is_deterministic_under_greedy_decoding(engine):
+    first = engine.classify("The app crashes when I log in", Small)
+    second = engine.classify("The app crashes when I log in", Small)
+    assert first.value == second.value
+
+
+def test_retry_shows_the_validation_error_and_succeeds(engine):
+    class Picky(BaseModel):
+        calls: ClassVar[list[str]] = []
+        topic: Literal["billing", "bug"]
+        summary: str = Field(max_length=10)
+
+        @field_validator("summary")
+        @classmethod
+        def reject_first(cls, value: str) -> str:
+            cls.calls.append(value)
+            if len(cls.calls) == 1:
+                raise ValueError("summary must be rewritten")
+            return value
+
+    result = engine.classify("text", Picky)
+    assert result.diagnostics.attempts == 2 and len(Picky.calls) == 2
+    assert result.value.summary == Picky.calls[1]
+
+
+def test_second_validation_failure_raises_structured_output_error(engine):
+    class Never(BaseModel):
+        summary: str = Field(max_length=10)
+
+        @field_validator("summary")
+        @classmethod
+        def reject(cls, value: str) -> str:
+            raise ValueError("never valid")
+
+    with pytest.raises(StructuredOutputError) as caught:
+        engine.classify("text", Never)
+    assert caught.value.attempts == 2
+    assert isinstance(caught.value.error, ValidationError) and "never valid" in str(caught.value.error)
+    assert json.loads(caught.value.raw)["summary"] is not None
+
+
+def test_budget_exhaustion_stops_generation(tiny_model, tiny_tokenizer):
+    class Two(BaseModel):
+        first: str
+        second: str
+
+    engine = PCDEngine(tiny_model, tiny_tokenizer, limits=Limits(max_generated_tokens=5))
+    with pytest.raises(StructuredOutputError, match="whole budget of 5 tokens") as caught:
+        engine.classify("text", Two)
+    assert caught.value.raw.startswith('{"first":')
+
+
+def test_allow_generation_false_refuses_open_fields(engine):
+    with pytest.raises(UnsupportedSchemaError, match="'summary'"):
+        engine.classify("text", Small, allow_generation=False)
+
+
+def test_typed_dict_and_dict_schemas_return_dicts(engine):
+    class Pick(TypedDict):
+        topic: Literal["billing", "bug"]
+        note: Annotated[str, Field(max_length=8)]
+
+    result = engine.classify("text", Pick)
+    assert isinstance(result.value, dict) and set(result.value) == {"topic", "note"}
+    assert result.value["topic"] == result.fields["topic"].value
+    schema = {"title": "Pick", "type": "object", "properties": {"topic": {"enum": ["billing", "bug"]}}}
+    as_dict = engine.classify("text", schema)
+    assert as_dict.value == {"topic": as_dict.fields["topic"].value}
+
+
+def test_batch_of_16_with_a_poisoned_input_keeps_every_other_result(engine):
+    texts: list = [f"ticket number {i}: the app crashes" for i in range(16)]
+    texts[5] = 12345  # not a string
+    results = engine.classify_batch(texts, Small, return_exceptions=True)
+    assert len(results) == 16
+    assert isinstance(results[5], InputError) and "text #5" in str(results[5])
+    singles = {i: engine.classify(texts[i], Small).value for i in (0, 7, 15)}
+    for i, result in enumerate(results):
+        if i != 5:
+            assert isinstance(result.value, Small)
+    assert {i: results[i].value for i in singles} == singles  # padded batch == one by one (greedy)
+    with pytest.raises(InputError):
+        engine.classify_batch(texts, Small)
+
+
+def test_open_model_without_closed_fields(engine):
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int
+
+    result = engine.classify("Anna is 31", Person)
+    assert isinstance(result.value, Person) and result.fields["age"].source == "generated"
+    assert result.diagnostics.branch_tokens == 0
