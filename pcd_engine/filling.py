@@ -69,7 +69,7 @@ class JsonFiller:
         forced = matcher.find_jump_forward_string().removesuffix('"').rstrip(" ")
         if not matcher.accept_string(forced):
             raise RuntimeError(f"the grammar rejected its own forced text {forced!r}")
-        budget = min(token_budget(pinned, self.limits.max_string_tokens), self.limits.max_generated_tokens)
+        budget = min(token_budget(pinned), self.limits.max_generated_tokens)
         ids = [*prompt_ids, *self.prompt.encode_text(forced)]
         return FillJob(ids, forced, matcher, budget, closed)
 
@@ -78,8 +78,8 @@ class JsonFiller:
         raw = job.forced + self.generator.tokenizer.decode(completion.ids, skip_special_tokens=True)
         if completion.finish_reason == "length":  # the grammar allows a stop token only once complete
             raise StructuredOutputError(
-                f"generation used its whole budget of {job.budget} tokens (derived from the schema; "
-                "Limits.max_generated_tokens / max_string_tokens) before the JSON object was complete",
+                f"generation used its whole budget of {job.budget} tokens (derived from the schema, "
+                "at most Limits.max_generated_tokens) before the JSON object was complete",
                 raw,
             )
         data = json.loads(raw)

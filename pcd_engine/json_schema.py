@@ -3,8 +3,8 @@
 `pinned_schema` takes the model's own JSON schema (from Pydantic) and fixes every scored field to its
 chosen value (`const`), moving the fixed properties first in each object: the grammar then forces them,
 so generation cannot change a scored value, and the JSON text up to the first open value is known before
-any model call (the engine writes it into the prompt). `token_budget` bounds the tokens any text valid
-under the schema may need, so generation stops even if the model never closes the object.
+any model call (the engine writes it into the prompt). `capped` bounds every string and list, and
+`token_budget` bounds the tokens any text valid under the schema may need, so generation always ends.
 
 >>> schema = {"type": "object", "required": ["note"], "properties": {
 ...     "note": {"type": "string", "maxLength": 20}, "topic": {"enum": ["a", "b"]}}}
@@ -39,6 +39,33 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
         raise UnsupportedSchemaError(
             model.__name__, model, f"it has no JSON schema, so it cannot be generated: {error}"
         ) from error
+
+
+def capped(schema: Mapping[str, Any], max_string_length: int, max_items: int) -> dict[str, Any]:
+    """A copy of `schema` in which every string without `maxLength` gets `max_string_length` and every
+    array without `maxItems` gets `max_items`: a looping model then ends a value instead of running
+    out of budget, and the object still completes."""
+    out = copy.deepcopy(dict(schema))
+    _cap(out, max_string_length, max_items)
+    return out
+
+
+def _cap(node: Any, max_string_length: int, max_items: int) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _cap(item, max_string_length, max_items)
+        return
+    if not isinstance(node, dict):
+        return
+    kinds = node.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    plain = not ({"enum", "const", "pattern", "format"} & node.keys())
+    if "string" in kinds and plain and "maxLength" not in node:
+        node["maxLength"] = max(max_string_length, node.get("minLength", 0))
+    if "array" in kinds and "maxItems" not in node:
+        node["maxItems"] = max(max_items, node.get("minItems", 0))
+    for value in node.values():
+        _cap(value, max_string_length, max_items)
 
 
 def resolve(node: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pcd_engine.branches import TokenTree, build_tree
 from pcd_engine.errors import SchemaLimitError
-from pcd_engine.json_schema import describe, field_schema, model_schema
+from pcd_engine.json_schema import capped, describe, field_schema, model_schema
 from pcd_engine.layout import branch_text, candidate_text, code_candidates, system_text
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.schema import CompiledSchema, Decision, Limits
@@ -32,7 +32,7 @@ class SchemaPlan:
     system: str
     head: tuple[int, ...]
     decisions: tuple[DecisionPlan, ...]
-    json_schema: dict[str, Any] | None = None  # the model's JSON schema, when it has open fields
+    json_schema: dict[str, Any] | None = None  # the model's JSON schema (capped), when it has open fields
 
     @property
     def trees(self) -> list[TokenTree]:
@@ -66,7 +66,7 @@ def build_plan(
         plans.append(DecisionPlan(decision, tree, fallback))
     schema, described = None, {}
     if compiled.open_fields:
-        schema = model_schema(compiled.schema)
+        schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
         defs = schema.get("$defs", {})
         described = {f.path: describe(field_schema(schema, f.json_keys), defs) for f in compiled.open_fields}
     system = system_text(compiled, instructions, codes, described)

@@ -43,8 +43,9 @@ class Limits:
     max_candidates: int = 256
     max_prompt_tokens: int = 4096
     max_candidate_tokens: int = 64
-    max_generated_tokens: int = 2048  # cap on the schema-derived budget of a generation
-    max_string_tokens: int = 256  # budget of a generated string that has no max_length
+    max_generated_tokens: int = 4096  # cap on the schema-derived token budget of a generation
+    max_string_length: int = 1000  # characters of a generated string whose schema sets no max_length
+    max_list_items: int = 64  # items of a generated list whose schema sets no max_length
 
     def __post_init__(self) -> None:
         for name in (
@@ -53,7 +54,8 @@ class Limits:
             "max_prompt_tokens",
             "max_candidate_tokens",
             "max_generated_tokens",
-            "max_string_tokens",
+            "max_string_length",
+            "max_list_items",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

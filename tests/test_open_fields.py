@@ -18,7 +18,7 @@ from pcd_engine import (
     UnsupportedSchemaError,
     compile_schema,
 )
-from pcd_engine.json_schema import model_schema, pinned_schema, token_budget
+from pcd_engine.json_schema import capped, model_schema, pinned_schema, token_budget
 from pcd_engine.output_types import output_type
 
 
@@ -84,6 +84,16 @@ def test_pinned_schema_fixes_scored_values_first_and_requires_them():
         "const": "sea"
     }
     assert shipping["required"] == ["method", "note"]
+
+
+def test_capped_schema_bounds_every_string_and_list():
+    schema = capped(model_schema(Ticket), max_string_length=50, max_items=3)
+    props = schema["properties"]
+    assert props["summary"]["maxLength"] == 20  # the model's own bound is kept
+    assert props["tags"]["maxItems"] == 2 and props["tags"]["items"]["maxLength"] == 50
+    assert schema["$defs"]["Shipping"]["properties"]["note"]["maxLength"] == 12
+    assert "maxLength" not in schema["$defs"]["Kind"]  # an enum is not free text
+    assert token_budget(schema) < token_budget(model_schema(Ticket))
 
 
 def test_token_budget_is_finite_and_follows_max_length():
