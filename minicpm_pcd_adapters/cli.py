@@ -35,7 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         schema = load_schema(args.schema)
-        engine = load_engine(args.model, device=args.device, dtype=args.dtype, rule=args.rule)
+        engine = load_engine(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            rule=args.rule,
+            allow_generation=False if args.no_generation else None,
+        )
         engine.plan(schema, instructions=args.instructions)  # schema errors before reading input
     except (PCDError, ImportError, AttributeError, TypeError, ValueError) as error:
         print(f"pcd: error: {error}", file=sys.stderr)
@@ -63,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rule", choices=sorted(RULES), default=None, help="scoring rule (default: engine's)")
     run.add_argument("--instructions", default=None, help="system instructions replacing the default")
     run.add_argument("--text-key", default="text", help="key of the text in JSONL objects")
+    run.add_argument(
+        "--no-generation",
+        action="store_true",
+        help="refuse schemas with open fields (free text, numbers, lists) instead of generating them",
+    )
     run.add_argument("--device", default="auto")
     run.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     return parser
