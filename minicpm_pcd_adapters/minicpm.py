@@ -44,6 +44,7 @@ def load_minicpm5(
     source = name_or_path or MINICPM5_2B.hub_id
     pinned = revision or (MINICPM5_2B.revision if source == MINICPM5_2B.hub_id else None)
     options.setdefault("chat_template_kwargs", MINICPM5_2B.chat_template_kwargs)
+    options.setdefault("stop_token_ids", MINICPM5_2B.eos_token_ids)
     return PCDEngine.from_pretrained(
         source, revision=pinned, device=device, dtype=dtype or MINICPM5_2B.dtype, **options
     )

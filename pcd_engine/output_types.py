@@ -29,6 +29,7 @@ import annotated_types
 import pydantic
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from typing_extensions import is_typeddict
 
 from pcd_engine.errors import UnsupportedSchemaError
 
@@ -53,7 +54,7 @@ def output_type(schema: Any) -> OutputType:
     """The Pydantic model behind `schema`; raises UnsupportedSchemaError for anything else."""
     if inspect.isclass(schema) and issubclass(schema, BaseModel):
         return OutputType(schema, returns_dict=False)
-    if typing.is_typeddict(schema):
+    if is_typeddict(schema):
         return _typed_dict_type(schema)
     if isinstance(schema, Mapping):
         key = json.dumps(schema, sort_keys=True, default=str)
@@ -81,7 +82,7 @@ def _typed_dict_model(schema: Any) -> type[BaseModel]:
     fields: dict[str, Any] = {}
     for name, hint in hints.items():
         annotation, default, description = _split_annotated(hint)
-        if typing.is_typeddict(annotation):
+        if is_typeddict(annotation):
             annotation = _typed_dict_model(annotation)
         if default is ... and name not in required:
             default = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -76,8 +77,8 @@ def tiny_model(tiny_tokenizer):
     return tiny_llama(len(tiny_tokenizer))
 
 
-@pytest.fixture(scope="session")
-def smollm2():
+@functools.cache
+def smollm2_model():
     """(model, tokenizer) of the offline SmolLM2-135M-Instruct GGUF, FP32 on CPU (loaded once)."""
     from minicpm_pcd_adapters import smollm2_gguf_path
     from pcd_engine.loading import load_model_and_tokenizer
@@ -87,3 +88,8 @@ def smollm2():
     except Exception as error:  # the package is installed by the README's test command
         pytest.fail(f"SmolLM2 is required for the slow tests: {error}")
     return load_model_and_tokenizer(path, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return smollm2_model()

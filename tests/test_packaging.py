@@ -38,6 +38,7 @@ def test_public_api_is_pinned():
     }
     assert set(minicpm_pcd_adapters.__all__) == {
         "MINICPM5_2B",
+        "ChatMiniCPM",
         "ModelDefaults",
         "load_minicpm5",
         "load_smollm2",
