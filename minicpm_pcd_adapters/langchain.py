@@ -26,15 +26,14 @@ from typing import Any, Literal
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
     ChatMessage,
-    HumanMessage,
-    SystemMessage,
     ToolMessage,
+    UsageMetadata,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import (
@@ -50,6 +49,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
+from minicpm_pcd_adapters.requests import structured_request
 from pcd_engine import Limits, PCDEngine, PCDError, PCDResult, Sampling, compile_schema
 from pcd_engine.output_types import output_type
 
@@ -95,14 +95,16 @@ class ChatMiniCPM(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model, "revision": self.revision, "gguf_file": self.gguf_file}
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "ls_provider": "minicpm_pcd",
-            "ls_model_name": kwargs.get("model", self.model),
-            "ls_model_type": "chat",
-            "ls_temperature": kwargs.get("temperature", self.temperature),
-            "ls_max_tokens": kwargs.get("max_tokens", self.max_tokens),
-        }
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            **{  # type: ignore[typeddict-item]
+                "ls_provider": "minicpm_pcd",
+                "ls_model_name": kwargs.get("model", self.model),
+                "ls_model_type": "chat",
+                "ls_temperature": kwargs.get("temperature", self.temperature),
+                "ls_max_tokens": kwargs.get("max_tokens", self.max_tokens),
+            }
+        )
         stops = stop or kwargs.get("stop") or self.stop
         if stops:
             params["ls_stop"] = stops
@@ -408,23 +410,15 @@ def _chat_messages(messages: Sequence[BaseMessage]) -> list[tuple[str, str]]:
 
 
 def _request_text(messages: Sequence[BaseMessage]) -> tuple[str | None, str]:
-    """(instructions, text) of a structured call: system messages become the instructions, the rest
-    the text to answer (one human message as it is; a conversation as 'Role: content' lines)."""
-    system = [_text(m) for m in messages if isinstance(m, SystemMessage)]
-    rest = [m for m in messages if not isinstance(m, SystemMessage)]
-    if len(rest) == 1 and isinstance(rest[0], HumanMessage):
-        text = _text(rest[0])
-    else:
-        text = "\n\n".join(f"{_role(m).title()}: {_text(m)}" for m in rest)
-    return ("\n\n".join(system) or None), text
+    return structured_request(_chat_messages(messages))
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "input_tokens": prompt_tokens,
-        "output_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageMetadata:
+    return UsageMetadata(
+        input_tokens=prompt_tokens,
+        output_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 def _fields(message: AIMessage) -> dict[str, Any]:

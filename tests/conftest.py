@@ -90,6 +90,15 @@ def smollm2_model():
     return load_model_and_tokenizer(path, device="cpu")
 
 
+@functools.cache
+def smollm2_engine():
+    """A PCDEngine on SmolLM2 shared by the adapter tests; free text capped (SmolLM2 loops when greedy)."""
+    from pcd_engine import Limits, PCDEngine
+
+    model, tokenizer = smollm2_model()
+    return PCDEngine(model, tokenizer, limits=Limits(max_string_length=48))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     return smollm2_model()

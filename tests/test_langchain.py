@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypedDict
@@ -16,17 +15,10 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM
-from pcd_engine import Limits, PCDEngine, UnsupportedSchemaError
-from tests.conftest import smollm2_model
+from pcd_engine import UnsupportedSchemaError
+from tests.conftest import smollm2_engine
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
-
-
-@functools.cache
-def shared_engine() -> PCDEngine:
-    """One engine for every chat model of this module; free text capped (SmolLM2 loops when greedy)."""
-    model, tokenizer = smollm2_model()
-    return PCDEngine(model, tokenizer, limits=Limits(max_string_length=48))
 
 
 class TestChatMiniCPMUnit(ChatModelUnitTests):
@@ -51,7 +43,7 @@ class TestChatMiniCPMIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"engine": shared_engine(), "model": SMOLLM2, "max_tokens": 24}
+        return {"engine": smollm2_engine(), "model": SMOLLM2, "max_tokens": 24}
 
     @property
     def has_tool_calling(self) -> bool:
@@ -92,7 +84,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> ChatMiniCPM:
-    return ChatMiniCPM(engine=shared_engine(), model=SMOLLM2, max_tokens=16)
+    return ChatMiniCPM(engine=smollm2_engine(), model=SMOLLM2, max_tokens=16)
 
 
 class Recorder(BaseCallbackHandler):

@@ -39,6 +39,8 @@ def test_public_api_is_pinned():
     assert set(minicpm_pcd_adapters.__all__) == {
         "MINICPM5_2B",
         "ChatMiniCPM",
+        "MiniCPMLLM",
+        "MiniCPMPCDProgram",
         "ModelDefaults",
         "load_minicpm5",
         "load_smollm2",

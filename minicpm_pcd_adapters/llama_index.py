@@ -1,0 +1,363 @@
+"""LlamaIndex: `MiniCPMLLM` (a CustomLLM) and `MiniCPMPCDProgram` (a Pydantic program) on the PCD engine.
+
+Chat and completion calls use `PCDEngine.generate` / `stream`. Every structured path of LlamaIndex
+(`llm.structured_predict`, `astructured_predict`, `stream_structured_predict`, `as_structured_llm`,
+response synthesizers with `output_cls`, programs) reaches `MiniCPMPCDProgram`, which formats the
+prompt with LlamaIndex's own templates and answers with `engine.classify`: closed fields scored, open
+fields generated. The program keeps the last `PCDResult` (`last_result`) for per-field probabilities.
+
+>>> llm = MiniCPMLLM()  # MiniCPM5-2B at the pinned revision, loaded on first use  # doctest: +SKIP
+>>> llm.structured_predict(Ticket, PromptTemplate("{text}"), text="charged twice")  # doctest: +SKIP
+Ticket(topic='billing', ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import (
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictStartEvent,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import LLM
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
+from llama_index.core.settings import Settings
+from llama_index.core.types import BasePydanticProgram, Model
+
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
+from minicpm_pcd_adapters.requests import structured_request
+from pcd_engine import Limits, PCDEngine, PCDResult, Sampling, compile_schema
+from pcd_engine.output_types import output_type
+
+dispatcher = get_dispatcher(__name__)
+
+
+class MiniCPMLLM(CustomLLM):
+    """A local chat LLM (MiniCPM5-2B by default) whose structured output runs the PCD engine.
+
+    `model` is a hub id (pinned `revision`), a local folder or a GGUF file (`gguf_file`); or pass
+    `engine`, an already loaded `PCDEngine`. Decoding is greedy unless `temperature` > 0.
+    """
+
+    model: str = Field(default=MINICPM5_2B.hub_id, description="Hub id, local folder or model name.")
+    revision: str | None = Field(default=None)
+    gguf_file: str | None = Field(default=None)
+    engine: PCDEngine | None = Field(default=None, exclude=True)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    context_window: int = Field(default=4096, description="Prompt tokens the engine accepts.")
+    max_tokens: int = Field(default=512, description="Tokens generated per chat/completion call.")
+    temperature: float = Field(default=0.0)
+    top_p: float = Field(default=1.0)
+    min_p: float = Field(default=0.0)
+    repetition_penalty: float = Field(default=1.0)
+
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "MiniCPMLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window,
+            num_output=self.max_tokens,
+            model_name=self.model,
+            is_chat_model=True,
+            is_function_calling_model=False,
+        )
+
+    def load(self) -> PCDEngine:
+        """The engine, loaded on first use (thread-safe)."""
+        with self._lock:
+            if self.engine is None:
+                if self.model == MINICPM5_2B.hub_id and self.gguf_file is None:
+                    self.engine = load_minicpm5(revision=self.revision, **self.engine_kwargs)
+                else:
+                    self.engine = PCDEngine.from_pretrained(
+                        self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
+                    )
+            return self.engine
+
+    def sampling(self, **overrides: Any) -> Sampling:
+        values: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values.update({k: v for k, v in overrides.items() if k in values or k == "seed"})
+        return Sampling(**values)
+
+    # -- chat and completion -----------------------------------------------------------------
+
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "max_tokens": kwargs.get("max_tokens", self.max_tokens),
+            "stop": kwargs.get("stop"),
+            "sampling": self.sampling(**kwargs),
+        }
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        result = self.load().generate(_pairs(messages), **self._options(kwargs))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+            raw={"finish_reason": result.finish_reason},
+            additional_kwargs=_usage(result.prompt_tokens, result.completion_tokens),
+        )
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        pieces = self.load().stream(_pairs(messages), **self._options(kwargs))
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for piece in pieces:
+                text += piece.text
+                extra = (
+                    {}
+                    if piece.finish_reason is None
+                    else _usage(piece.prompt_tokens, piece.completion_tokens)
+                )
+                yield ChatResponse(
+                    message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                    delta=piece.text,
+                    additional_kwargs=extra,
+                )
+
+        return gen()
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        result = self.load().generate([("user", prompt)], **self._options(kwargs))
+        return CompletionResponse(
+            text=result.text,
+            raw={"finish_reason": result.finish_reason},
+            additional_kwargs=_usage(result.prompt_tokens, result.completion_tokens),
+        )
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        pieces = self.load().stream([("user", prompt)], **self._options(kwargs))
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for piece in pieces:
+                text += piece.text
+                yield CompletionResponse(text=text, delta=piece.text)
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return _in_thread(self.stream_chat(messages, **kwargs))
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return _in_thread(self.stream_complete(prompt, formatted, **kwargs))
+
+    # -- structured output: every path goes through MiniCPMPCDProgram ------------------------
+
+    @dispatcher.span
+    def structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        result = MiniCPMPCDProgram(output_cls, prompt, self)(llm_kwargs=llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        result = await MiniCPMPCDProgram(output_cls, prompt, self).acall(llm_kwargs=llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    def _structured_stream_call(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Generator[Model, None, None]:
+        return MiniCPMPCDProgram(output_cls, prompt, self).stream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+    async def _structured_astream_call(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> AsyncGenerator[Model, None]:
+        program = MiniCPMPCDProgram(output_cls, prompt, self)
+        return await program.astream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+
+class MiniCPMPCDProgram(BasePydanticProgram[Model]):
+    """A Pydantic program answered by the PCD engine: closed fields scored, open fields generated.
+
+    `program(**prompt_args)` returns the validated object; `program.classify(**prompt_args)` the whole
+    `PCDResult` (per-field probabilities, diagnostics); `last_result` keeps the latest one.
+    `allow_generation=False` refuses open fields (UnsupportedSchemaError before any model work).
+    """
+
+    def __init__(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm: MiniCPMLLM,
+        allow_generation: bool | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if not isinstance(llm, MiniCPMLLM):
+            raise TypeError(f"MiniCPMPCDProgram needs a MiniCPMLLM, got {type(llm).__name__}")
+        if allow_generation is False:  # refuse open fields now, before any model work
+            limits = llm.engine.limits if llm.engine is not None else Limits()
+            compile_schema(output_type(output_cls).model, limits, allow_open=False)
+        self._output_cls = output_cls
+        self._prompt = prompt
+        self._llm = llm
+        self._allow_generation = allow_generation
+        self._verbose = verbose
+        self.last_result: PCDResult[Model] | None = None
+
+    @classmethod
+    def from_defaults(
+        cls,
+        output_cls: type[Model],
+        prompt_template_str: str | None = None,
+        prompt: BasePromptTemplate | None = None,
+        llm: LLM | None = None,
+        allow_generation: bool | None = None,
+        verbose: bool = False,
+        **kwargs: Any,
+    ) -> MiniCPMPCDProgram[Model]:
+        if (prompt is None) == (prompt_template_str is None):
+            raise ValueError("Must provide either prompt or prompt_template_str.")
+        chosen = llm or Settings.llm
+        template = prompt if prompt is not None else PromptTemplate(str(prompt_template_str))
+        return cls(output_cls, template, chosen, allow_generation, verbose)  # type: ignore[arg-type]
+
+    @property
+    def output_cls(self) -> type[Model]:
+        return self._output_cls
+
+    @property
+    def prompt(self) -> BasePromptTemplate:
+        return self._prompt
+
+    @prompt.setter
+    def prompt(self, prompt: BasePromptTemplate) -> None:
+        self._prompt = prompt
+
+    def classify(self, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> PCDResult[Model]:
+        """Format the prompt with LlamaIndex's template and answer it; the whole PCDResult."""
+        messages = self._llm._extend_messages(self._prompt.format_messages(llm=self._llm, **prompt_args))
+        instructions, text = structured_request(_pairs(messages))
+        result = self._llm.load().classify(
+            text,
+            self._output_cls,
+            instructions=instructions,
+            allow_generation=self._allow_generation,
+            sampling=self._llm.sampling(**(llm_kwargs or {})),
+        )
+        self.last_result = result
+        if self._verbose:
+            print(f"> PCD answer: {result.to_json()}")
+        return result
+
+    @dispatcher.span
+    def __call__(self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Model:
+        return self.classify(llm_kwargs, **kwargs).value
+
+    @dispatcher.span
+    async def acall(self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Model:
+        return (await asyncio.to_thread(self.classify, llm_kwargs, **kwargs)).value
+
+    def stream_call(
+        self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any
+    ) -> Generator[Model, None, None]:
+        """Yields the final object (an object exists only once every field is decided)."""
+        yield self(llm_kwargs, **kwargs)
+
+    async def astream_call(
+        self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Model, None]:
+        async def gen() -> AsyncGenerator[Model, None]:
+            yield await self.acall(llm_kwargs, **kwargs)
+
+        return gen()
+
+
+def _pairs(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
+    out = []
+    for message in messages:
+        role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
+        role = {"chatbot": "assistant", "model": "assistant", "developer": "system"}.get(role, role)
+        out.append((role, message.content or ""))
+    return out
+
+
+def _usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+
+def _in_thread(items: Generator[Any, None, None]) -> AsyncGenerator[Any, None]:
+    """An async generator over a blocking generator, each step run in a worker thread."""
+
+    async def gen() -> AsyncGenerator[Any, None]:
+        done = object()
+        while True:
+            item = await asyncio.to_thread(next, items, done)
+            if item is done:
+                return
+            yield item
+
+    return gen()
+
+
+__all__ = ["MiniCPMLLM", "MiniCPMPCDProgram"]

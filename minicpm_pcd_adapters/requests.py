@@ -1,0 +1,25 @@
+"""Turning a framework's chat messages into the engine's structured request.
+
+Both adapters (LangChain, LlamaIndex) first reduce their message objects to (role, text) pairs;
+this module decides what the engine is asked: system messages become the instructions that head the
+schema's field list, the rest becomes the text to answer.
+
+>>> structured_request([("system", "Route it."), ("user", "I was charged twice")])
+('Route it.', 'I was charged twice')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def structured_request(messages: Sequence[tuple[str, str]]) -> tuple[str | None, str]:
+    """(instructions, text): one user message is the text as it is; a longer conversation becomes
+    'Role: content' paragraphs."""
+    system = [text for role, text in messages if role == "system"]
+    rest = [(role, text) for role, text in messages if role != "system"]
+    if len(rest) == 1 and rest[0][0] == "user":
+        text = rest[0][1]
+    else:
+        text = "\n\n".join(f"{role.title()}: {content}" for role, content in rest)
+    return ("\n\n".join(system) or None), text
