@@ -48,7 +48,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, engine_for_model
 from minicpm_pcd_adapters.requests import structured_request
 from pcd_engine import Limits, PCDEngine, PCDError, PCDResult, Sampling, compile_schema
 from pcd_engine.output_types import output_type
@@ -114,12 +114,9 @@ class ChatMiniCPM(BaseChatModel):
         """The engine, loaded on first use (thread-safe)."""
         with self._lock:
             if self.engine is None:
-                if self.model == MINICPM5_2B.hub_id and self.gguf_file is None:
-                    self.engine = load_minicpm5(revision=self.revision, **self.engine_kwargs)
-                else:
-                    self.engine = PCDEngine.from_pretrained(
-                        self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
-                    )
+                self.engine = engine_for_model(
+                    self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
+                )
             return self.engine
 
     # -- plain chat and structured calls -------------------------------------------------------

@@ -42,7 +42,7 @@ from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.settings import Settings
 from llama_index.core.types import BasePydanticProgram, Model
 
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, engine_for_model
 from minicpm_pcd_adapters.requests import structured_request
 from pcd_engine import Limits, PCDEngine, PCDResult, Sampling, compile_schema
 from pcd_engine.output_types import output_type
@@ -89,12 +89,9 @@ class MiniCPMLLM(CustomLLM):
         """The engine, loaded on first use (thread-safe)."""
         with self._lock:
             if self.engine is None:
-                if self.model == MINICPM5_2B.hub_id and self.gguf_file is None:
-                    self.engine = load_minicpm5(revision=self.revision, **self.engine_kwargs)
-                else:
-                    self.engine = PCDEngine.from_pretrained(
-                        self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
-                    )
+                self.engine = engine_for_model(
+                    self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
+                )
             return self.engine
 
     def sampling(self, **overrides: Any) -> Sampling:

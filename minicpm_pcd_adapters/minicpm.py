@@ -48,3 +48,13 @@ def load_minicpm5(
     return PCDEngine.from_pretrained(
         source, revision=pinned, device=device, dtype=dtype or MINICPM5_2B.dtype, **options
     )
+
+
+def engine_for_model(
+    model: str, *, revision: str | None = None, gguf_file: str | None = None, **options: Any
+) -> PCDEngine:
+    """The adapters' loader: MiniCPM5-2B's defaults for its hub id, any other hub id, folder or GGUF
+    file as it is."""
+    if model == MINICPM5_2B.hub_id and gguf_file is None:
+        return load_minicpm5(revision=revision, **options)
+    return PCDEngine.from_pretrained(model, revision=revision, gguf_file=gguf_file, **options)

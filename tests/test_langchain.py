@@ -15,7 +15,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM
-from pcd_engine import UnsupportedSchemaError
+from pcd_engine import ModelLoadError, UnsupportedSchemaError
 from tests.conftest import smollm2_engine
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
@@ -189,3 +189,9 @@ def test_plain_chat_streams_tokens_and_honours_stop(llm):
     assert len(chunks) > 3 and chunks[-1].usage_metadata["output_tokens"] > 0
     whole = llm.invoke("Count from 1 to 10, separated by commas.", stop=["5"])
     assert "5" not in whole.content and whole.response_metadata["finish_reason"] == "stop"
+
+
+def test_default_model_loads_minicpm5_at_the_pinned_revision(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="12a3808a956f869c767195e9266b59c4d21d92e2"):
+        ChatMiniCPM().load()  # offline here: the error names the pinned revision to download
