@@ -201,7 +201,8 @@ class ChatMiniCPM(BaseChatModel):
     def _structured(self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any]) -> AIMessage:
         request = _Request(kwargs[SCHEMA_KEY], kwargs.get("pcd_method", "json_schema"))
         instructions, text = _request_text(messages)
-        found = (_PRECOMPUTED.get() or {}).get(request.key(instructions, text))
+        precomputed = _PRECOMPUTED.get()  # set only inside a structured batch
+        found = precomputed.get(request.key(instructions, text)) if precomputed else None
         if found is None:
             found = self._classify([(instructions, text)], request)[0]
         return self._message(found)
@@ -237,16 +238,16 @@ class ChatMiniCPM(BaseChatModel):
                     "pcd_error": str(result),
                 },
             )
-        content = json.dumps(result.to_json()["value"], ensure_ascii=False)
+        answer = result.to_json()  # the object's JSON value and every field's scores, built once
         d = result.diagnostics
         return AIMessage(
-            content=content,
+            content=json.dumps(answer["value"], ensure_ascii=False),
             usage_metadata=_usage(d.prompt_tokens, d.generated_tokens),
             response_metadata={
                 "model_name": self.model,
                 "finish_reason": "stop",
                 "pcd": {
-                    "fields": {path: f.to_json() for path, f in result.fields.items()},
+                    "fields": answer["fields"],
                     "forward_calls": d.forward_calls,
                     "cached_tokens": d.cached_tokens,
                     "attempts": d.attempts,

@@ -204,8 +204,10 @@ class Generator:
         stops = [i for i, token in enumerate(row) if token in self.stop_ids]
         if stops:
             return Completion(row[: stops[0]], "stop", stops[0] + 1)
-        text = self.tokenizer.decode(row, skip_special_tokens=True)
-        if any(s in text for s in stop_strings) or len(row) < max_new_tokens:
+        if len(row) < max_new_tokens:  # ended early without a stop token: a stop string
+            return Completion(row, "stop", steps)
+        text = self.tokenizer.decode(row, skip_special_tokens=True) if stop_strings else ""
+        if any(s in text for s in stop_strings):  # a stop string in the very last token
             return Completion(row, "stop", steps)
         return Completion(row, "length", steps)
 
