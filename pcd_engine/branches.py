@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -28,6 +29,8 @@ class TokenTree:
     `parents[i]` is the fed index whose token precedes token i (-1: the prompt's end); `depths[i]` is
     its distance from the prompt's end. `paths[c]` lists (fed index whose logits predict, token id)
     for candidate c. `root` is the last chain token: its logits predict every first continuation token.
+    `vocab` lists, sorted, every token id some path predicts: the only columns of the LM head that
+    scoring reads (`column[token]` is a token's index in it).
     """
 
     tokens: tuple[int, ...]
@@ -36,6 +39,11 @@ class TokenTree:
     paths: tuple[tuple[tuple[int, int], ...], ...]
     chain: tuple[int, ...]
     ancestors: torch.Tensor = field(repr=False)  # (T, T) bool: row i may attend to column j
+    vocab: tuple[int, ...] = ()
+
+    @cached_property
+    def column(self) -> dict[int, int]:
+        return {token: j for j, token in enumerate(self.vocab)}
 
     @property
     def root(self) -> int:
@@ -88,8 +96,9 @@ def build_tree(encode: Encode, branch: str, candidates: Sequence[str]) -> TokenT
                 tokens.append(cont[k - 1])
                 depths.append(shared + k - 1)
         paths.append(tuple((node_of[tuple(cont[:k])], cont[k]) for k in range(len(cont))))
+    vocab = tuple(sorted({token for cont in continuations for token in cont}))
     return TokenTree(
-        tuple(tokens), tuple(parents), tuple(depths), tuple(paths), tuple(chain), _ancestors(parents)
+        tuple(tokens), tuple(parents), tuple(depths), tuple(paths), tuple(chain), _ancestors(parents), vocab
     )
 
 

@@ -101,7 +101,7 @@ class PCDEngine:
         self.generator = Generator(model, tokenizer, stops, self.runner.cache_kw)
         self.filler = JsonFiller(self.generator, self.prompt, self.limits)
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
-        self._prior_cache: dict[int, list[torch.Tensor]] = {}
+        self._prior_cache: dict[tuple[int, tuple[bool, ...]], list[torch.Tensor]] = {}
         self._plans_lock = threading.Lock()
 
     @classmethod
@@ -231,8 +231,9 @@ class PCDEngine:
         plan = self.plan(schema, rule=chosen[0], allow_generation=False)
         prompt = self._render(plan, text, index=None)
         stats = PassStats()
-        logprobs = self._pass(plan, prompt, stats)
-        priors = self._priors(plan, stats) if any(r.corrects_prior for r in chosen) else None
+        norms = [any(r.needs_normalizer for r in chosen)] * len(plan.trees)
+        logprobs = self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head), norms)
+        priors = self._priors(plan, stats, norms) if any(r.corrects_prior for r in chosen) else None
         out: dict[str, PCDResult[T]] = {}
         for r in chosen:
             work = _Work(text, prompt, started, {}, plan.branch_tokens, stats)
@@ -322,11 +323,11 @@ class PCDEngine:
                 continue
             work.append(_Work(text, prompt, started, {"render": _ms(started)}, plan.branch_tokens))
         generates = plan.json_schema is not None
+        ready = [w for w in work if isinstance(w, _Work)]
+        self._score(plan, ready)
         for item in work:
-            if isinstance(item, _Work):
-                self._score(plan, item)
-                if not generates:
-                    self._validate_closed(plan, item)
+            if isinstance(item, _Work) and not generates:
+                self._validate_closed(plan, item)
             if progress is not None and not generates:
                 progress(1)
         if generates:
@@ -354,21 +355,30 @@ class PCDEngine:
             )
         return prompt
 
-    def _pass(self, plan: SchemaPlan, prompt: PromptIds, stats: PassStats) -> list[torch.Tensor]:
-        if not plan.trees:
-            return []
-        return self.runner.run(prompt.ids, plan.trees, stats, self.prefix_cache, len(plan.head))
-
-    def _score(self, plan: SchemaPlan, work: _Work) -> None:
-        """The packed pass under the plan's rules: fills `work.fields` with the scored decisions."""
+    def _score(self, plan: SchemaPlan, work: Sequence[_Work]) -> None:
+        """The packed pass under the plan's rules, several requests per forward call: fills every
+        `work.fields` with the scored decisions."""
+        if not work:
+            return
         began = time.perf_counter()
-        logprobs = self._pass(plan, work.prompt, work.stats)
+        norms = plan.normalized
+        prompts = [w.prompt.ids for w in work]
+        stats = [w.stats for w in work]
+        if not plan.trees:
+            runs: list[list[torch.Tensor]] = [[] for _ in work]
+        elif len(work) == 1:
+            runs = [
+                self.runner.run(prompts[0], plan.trees, stats[0], self.prefix_cache, len(plan.head), norms)
+            ]
+        else:
+            runs = self.runner.run_batch(prompts, plan.trees, stats, self.prefix_cache, len(plan.head), norms)
         scoring = time.perf_counter()
         wanted = [dp.rule for dp in plan.decisions]
-        priors = self._priors(plan, work.stats) if any(r.corrects_prior for r in wanted) else None
-        work.fields = self._decide(plan, logprobs, None, priors)
-        work.timings["forward"] = (scoring - began) * 1e3
-        work.timings["score"] = _ms(scoring)
+        priors = self._priors(plan, stats[0], norms) if any(r.corrects_prior for r in wanted) else None
+        for w, logprobs in zip(work, runs, strict=True):
+            w.fields = self._decide(plan, logprobs, None, priors)
+            w.timings["forward"] = (scoring - began) * 1e3 / len(work)
+            w.timings["score"] = _ms(scoring) / len(work)
 
     @staticmethod
     def _validate_closed(plan: SchemaPlan, work: _Work) -> None:
@@ -449,22 +459,24 @@ class PCDEngine:
             cache.crop(-(past - len(ids) + 1))
         return cache
 
-    def _priors(self, plan: SchemaPlan, stats: PassStats) -> list[torch.Tensor]:
-        """Per tree, the log of the mean probability over content-free texts (cached per plan)."""
+    def _priors(self, plan: SchemaPlan, stats: PassStats, norms: Sequence[bool]) -> list[torch.Tensor]:
+        """Per tree, the log of the mean probability over content-free texts (cached per plan), in
+        the same units as the request's scores (`norms`: log-probs or plain logits per tree)."""
+        key = (id(plan), tuple(norms))
         with self._plans_lock:
-            cached = self._prior_cache.get(id(plan))
+            cached = self._prior_cache.get(key)
         if cached is not None:
             return cached
         runs = []
         for text in CONTENT_FREE_TEXTS:
             ids = self.prompt.with_head(plan.head, text).ids
-            runs.append(self.runner.run(ids, plan.trees, stats, self.prefix_cache, len(plan.head)))
+            runs.append(self.runner.run(ids, plan.trees, stats, self.prefix_cache, len(plan.head), norms))
         count = torch.log(torch.tensor(float(len(runs))))
         priors = [
             torch.logsumexp(torch.stack(per_tree), dim=0) - count for per_tree in zip(*runs, strict=True)
         ]
         with self._plans_lock:
-            self._prior_cache[id(plan)] = priors
+            self._prior_cache[key] = priors
         return priors
 
     @staticmethod
@@ -562,6 +574,7 @@ class _Work:
             timings_ms=dict(self.timings),
             generated_tokens=self.generated_tokens,
             attempts=self.attempts,
+            prefix_cache_hit=self.stats.cache_hit,
         )
         return PCDResult(to_output(self.value), self.fields, diagnostics)
 

@@ -7,11 +7,22 @@ followed the prompt alone. When the trees exceed the token budget they are split
 first call also computes the prompt and keeps its KV cache; later calls run on top of that cache, which
 is cropped back to the prompt after each call.
 
-The LM head is applied only at the positions whose logits are scored (`logits_to_keep`).
+`run_batch` answers many requests that share the schema's prompt head with padded rows: the head's KV
+is computed (or taken from the prefix cache) once and repeated per row; each row is
+`[padding][the request's own prompt tokens][tree 1][tree 2]...`, left-padded so that every row's
+trees sit at the same offsets. Rows are grouped by length into forward calls of at most
+`max_tokens_per_forward` tokens; when CUDA runs out of memory, a group is halved and retried.
+(Packing several requests into one long sequence instead would make every query attend over every
+other request's keys, all masked: attention work grows with the square of the packed length.)
+
+The LM head is applied only at the positions whose logits are scored, and its output is kept only
+for the tokens the trees score (`TokenTree.vocab`). For trees whose rule needs no normaliser, only
+those rows of the LM head are computed at all (`normalized=False`).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +39,7 @@ class PassStats:
     forward_calls: int = 0
     fed_tokens: int = 0
     reused_tokens: int = 0
+    cache_hit: bool | None = None  # None: no prefix cache used
 
 
 def microbatches(trees: Sequence[TokenTree], first_budget: int, budget: int) -> list[list[int]]:
@@ -67,8 +79,35 @@ def pack_inputs(
     return torch.tensor([ids]), torch.tensor([positions]), mask[None, None], offsets
 
 
+def pack_rows(
+    prompts: Sequence[Sequence[int]], past_len: int, trees: Sequence[TokenTree], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """`pack_inputs` for several prompts on one shared past: left-padded rows (B, L), positions,
+    masks (B, 1, L, past+L) and the tree offsets, the same in every row. A padding token sees only
+    itself and no real token sees it."""
+    packed = [pack_inputs(p, past_len, trees, torch.float32) for p in prompts]
+    width = max(ids.shape[1] for ids, _, _, _ in packed)
+    ids_out = torch.zeros(len(prompts), width, dtype=torch.long)
+    positions_out = torch.full((len(prompts), width), past_len, dtype=torch.long)
+    allowed = torch.zeros(len(prompts), 1, width, past_len + width, dtype=torch.bool)
+    for row, (ids, positions, mask, _) in enumerate(packed):
+        pad = width - ids.shape[1]
+        ids_out[row, pad:], positions_out[row, pad:] = ids[0], positions[0]
+        own = mask[0, 0] == 0
+        allowed[row, 0, pad:, :past_len] = own[:, :past_len]
+        allowed[row, 0, pad:, past_len + pad :] = own[:, past_len:]
+        allowed[row, 0, torch.arange(pad), past_len + torch.arange(pad)] = True
+    mask_out = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    offsets = [o + width - packed[0][0].shape[1] for o in packed[0][3]]
+    return ids_out, positions_out, mask_out, offsets
+
+
 class BranchRunner:
-    """Runs packed branch passes on one Hugging Face causal LM and returns scored log-probs."""
+    """Runs packed branch passes on one Hugging Face causal LM and returns the scored columns.
+
+    Per tree, a float32 tensor (len(tree.scored), len(tree.vocab)): log-probs normalised over the
+    whole vocabulary, or, for a tree marked `normalized=False`, plain logits of its tokens only.
+    """
 
     def __init__(self, model: Any, max_tokens_per_forward: int = 2048) -> None:
         self.model = model
@@ -76,6 +115,7 @@ class BranchRunner:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
         self._can_slice_logits = "logits_to_keep" in params
         self.max_tokens_per_forward = max_tokens_per_forward
+        self._head_splits: bool | None = None  # logits == lm_head(decoder output)? checked on first use
 
     @property
     def device(self) -> torch.device:
@@ -93,12 +133,14 @@ class BranchRunner:
         stats: PassStats,
         prefix_cache: PrefixCache | None = None,
         cacheable: int = 0,
+        normalized: Sequence[bool] | None = None,
     ) -> list[torch.Tensor]:
-        """For each tree, float32 log-probs (len(tree.scored), vocab) at its scored positions.
+        """For each tree, its scored columns (see the class) for one prompt.
 
         With a `prefix_cache`, the longest cached prefix of the prompt is reused and, on a miss,
         the KV of the first `cacheable` prompt tokens is stored for later requests.
         """
+        norms = list(normalized) if normalized is not None else [True] * len(trees)
         cache, past = self.cached_prefix(prompt_ids, stats, prefix_cache, cacheable)
         budget = self.max_tokens_per_forward
         groups = microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
@@ -106,15 +148,102 @@ class BranchRunner:
         for number, group in enumerate(groups):
             feed = prompt_ids[past:] if number == 0 else ()
             keep_cache = len(groups) > 1 or cache is not None
-            logprobs, cache = self._forward(
-                feed, len(prompt_ids) - len(feed), [trees[i] for i in group], cache, keep_cache
-            )
+            chosen = [trees[i] for i in group]
+            packed = pack_inputs(feed, len(prompt_ids) - len(feed), chosen, self.dtype)
+            (scores,), cache = self._forward(packed, chosen, [norms[i] for i in group], cache, keep_cache)
             stats.forward_calls += 1
-            stats.fed_tokens += len(feed) + sum(len(trees[i].tokens) for i in group)
-            out.extend(logprobs)
+            stats.fed_tokens += len(feed) + sum(len(t.tokens) for t in chosen)
+            out.extend(scores)
             if cache is not None:  # drop this group's tree tokens, keep the prompt
                 cache.crop(-(cache.get_seq_length() - len(prompt_ids)))
         return out
+
+    @torch.inference_mode()
+    def run_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        trees: Sequence[TokenTree],
+        stats: Sequence[PassStats],
+        prefix_cache: PrefixCache | None = None,
+        cacheable: int = 0,
+        normalized: Sequence[bool] | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """`run` for many prompts that share their first `cacheable` tokens, several per forward call.
+
+        A prompt whose own tokens and trees do not fit the token budget is run alone (`run` splits
+        its trees into microbatches).
+        """
+        norms = list(normalized) if normalized is not None else [True] * len(trees)
+        tree_tokens = sum(len(t.tokens) for t in trees)
+        budget = self.max_tokens_per_forward
+        width = {i: len(p) - cacheable + tree_tokens for i, p in enumerate(prompts)}
+        together = sorted((i for i in width if width[i] <= budget), key=width.__getitem__)
+        out: dict[int, list[torch.Tensor]] = {}
+        for i in width.keys() - set(together):
+            out[i] = self.run(prompts[i], trees, stats[i], prefix_cache, cacheable, norms)
+        if together and cacheable > 0:
+            shared = self._shared_head(prompts[together[0]][:cacheable], stats, together, prefix_cache)
+            groups: list[list[int]] = [[]]
+            for i in together:  # ascending width: the newcomer is the widest of its group
+                if groups[-1] and (len(groups[-1]) + 1) * width[i] > budget:
+                    groups.append([])
+                groups[-1].append(i)
+            for group in groups:
+                out.update(self._rows(prompts, group, trees, norms, shared, cacheable, stats))
+        elif together:
+            for i in together:
+                out[i] = self.run(prompts[i], trees, stats[i], prefix_cache, cacheable, norms)
+        return [out[i] for i in range(len(prompts))]
+
+    def _shared_head(
+        self,
+        head: Sequence[int],
+        stats: Sequence[PassStats],
+        rows: Sequence[int],
+        prefix_cache: PrefixCache | None,
+    ) -> Any:
+        """The KV of the shared head, from the prefix cache or computed once for the whole batch."""
+        first = stats[rows[0]]
+        if prefix_cache is not None:
+            shared, _ = self.cached_prefix(head, first, prefix_cache, len(head))
+        else:
+            shared = self._prefill_head(head, first)
+        for i in rows[1:]:
+            stats[i].reused_tokens, stats[i].cache_hit = len(head), first.cache_hit
+        return shared
+
+    def _rows(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group: Sequence[int],
+        trees: Sequence[TokenTree],
+        norms: Sequence[bool],
+        shared: Any,
+        past: int,
+        stats: Sequence[PassStats],
+    ) -> dict[int, list[torch.Tensor]]:
+        """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many."""
+        cache = copy.deepcopy(shared)
+        if len(group) > 1:
+            cache.batch_repeat_interleave(len(group))
+        packed = pack_rows([prompts[i][past:] for i in group], past, trees, self.dtype)
+        try:
+            scores, _ = self._forward(packed, trees, norms, cache, keep_cache=False)
+        except torch.OutOfMemoryError:
+            if len(group) == 1:
+                raise
+            del cache
+            torch.cuda.empty_cache()
+            half = len(group) // 2
+            return {
+                **self._rows(prompts, group[:half], trees, norms, shared, past, stats),
+                **self._rows(prompts, group[half:], trees, norms, shared, past, stats),
+            }
+        tree_tokens = sum(len(t.tokens) for t in trees)
+        for i in group:
+            stats[i].forward_calls += 1
+            stats[i].fed_tokens += len(prompts[i]) - past + tree_tokens
+        return dict(zip(group, scores, strict=True))
 
     def cached_prefix(
         self, prompt_ids: Sequence[int], stats: PassStats, prefix_cache: PrefixCache | None, cacheable: int
@@ -125,6 +254,7 @@ class BranchRunner:
             return None, 0
         cache, past = prefix_cache.lookup(prompt_ids)
         stats.reused_tokens = past
+        stats.cache_hit = past > 0 and past >= cacheable
         if past < cacheable:  # first request of this schema: compute and keep the head alone
             cache, past = self._prefill_head(prompt_ids[:cacheable], stats), cacheable
             prefix_cache.store(prompt_ids[:cacheable], cache)
@@ -143,13 +273,14 @@ class BranchRunner:
 
     def _forward(
         self,
-        prompt_ids: Sequence[int],
-        past_len: int,
+        packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]],
         trees: Sequence[TokenTree],
+        normalized: Sequence[bool],
         cache: Any,
         keep_cache: bool,
-    ) -> tuple[list[torch.Tensor], Any]:
-        ids, positions, mask, offsets = pack_inputs(prompt_ids, past_len, trees, self.dtype)
+    ) -> tuple[list[list[torch.Tensor]], Any]:
+        """Per row, per tree, the scored columns; and the grown cache when `keep_cache`."""
+        ids, positions, mask, offsets = packed
         keep = [offset + i for tree, offset in zip(trees, offsets, strict=True) for i in tree.scored]
         keep_t = torch.tensor(keep, device=self.device)
         kwargs: dict[str, Any] = {
@@ -160,13 +291,45 @@ class BranchRunner:
         }
         if cache is not None:
             kwargs[self.cache_kw] = cache
-        if self._can_slice_logits:
-            kwargs["logits_to_keep"] = keep_t
-        output = self.model(**kwargs)
-        logits = output.logits[0] if self._can_slice_logits else output.logits[0, keep_t]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        sizes = [len(t.scored) for t in trees]
+        if not all(normalized) and self._splits_head():
+            output = self.model.get_decoder()(**kwargs)
+            hidden = output.last_hidden_state[:, keep_t]
+            parts = torch.split(hidden, sizes, dim=1)
+            per_tree = [self._project(h, t, n) for h, t, n in zip(parts, trees, normalized, strict=True)]
+        else:
+            if self._can_slice_logits:
+                kwargs["logits_to_keep"] = keep_t
+            output = self.model(**kwargs)
+            logits = output.logits if self._can_slice_logits else output.logits[:, keep_t]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            parts = torch.split(logprobs, sizes, dim=1)
+            per_tree = [p[..., list(t.vocab)] for p, t in zip(parts, trees, strict=True)]
         new_cache = output["cache" if "cache" in output else "past_key_values"] if keep_cache else None
-        return list(torch.split(logprobs, [len(t.scored) for t in trees])), new_cache
+        rows = [[scores[row] for scores in per_tree] for row in range(ids.shape[0])]
+        return rows, new_cache
+
+    def _project(self, hidden: torch.Tensor, tree: TokenTree, normalized: bool) -> torch.Tensor:
+        """Scored columns from hidden states (B, K, H): the full LM head + log-softmax, or only the
+        LM-head rows of the tree's own tokens."""
+        head = self.model.get_output_embeddings()
+        if normalized:
+            return torch.log_softmax(head(hidden).float(), dim=-1)[..., list(tree.vocab)]
+        rows = torch.tensor(tree.vocab, device=hidden.device)
+        bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
+        return torch.nn.functional.linear(hidden, head.weight[rows], bias).float()
+
+    def _splits_head(self) -> bool:
+        """Whether the logits are exactly the LM head applied to the decoder's output (no scaling or
+        soft-capping in between), checked once on a probe; otherwise the full head is always used."""
+        if self._head_splits is None:
+            decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+            ids = torch.tensor([[0, 1, 2]], device=self.device)
+            with torch.inference_mode():
+                want = self.model(input_ids=ids).logits.float()
+                got = head(decoder(input_ids=ids).last_hidden_state).float()
+            self._head_splits = bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4))
+        return self._head_splits
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:

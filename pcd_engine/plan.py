@@ -39,6 +39,11 @@ class SchemaPlan:
         return [d.tree for d in self.decisions if d.tree is not None]
 
     @property
+    def normalized(self) -> list[bool]:
+        """Per tree, whether its rule needs log-probs normalised over the whole vocabulary."""
+        return [d.rule.needs_normalizer for d in self.decisions if d.tree is not None]
+
+    @property
     def branch_tokens(self) -> int:
         return sum(len(t.tokens) for t in self.trees)
 

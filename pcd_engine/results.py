@@ -60,6 +60,7 @@ class Diagnostics:
     timings_ms: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0  # decoding steps of constrained generation (open fields)
     attempts: int = 0  # generations run for open fields: 1, or 2 after a retry
+    prefix_cache_hit: bool | None = None  # the schema's prompt head came from the cache (None: off)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,20 @@
 """Scoring rules: from a tree's log-probs to a score per candidate and a choice.
 
-All rules read the same packed pass:
+All rules read the same packed pass: per tree, a tensor (len(tree.scored), len(tree.vocab)) whose
+row r holds, at fed index `tree.scored[r]`, the scores of the tree's own tokens (`tree.column`). They
+are log-probs normalised over the whole vocabulary when the rule `needs_normalizer`; otherwise plain
+logits, because the rule only compares tokens of one row (a row-wide shift cannot change it), and the
+runner then projects the hidden state onto those few LM-head rows only.
+
 
 - `OptionRule("sum")` (rule name "option"): log-likelihood of each candidate's continuation tokens,
   terminator included. `OptionRule("mean")` ("option-mean") divides by the continuation's length.
 - `GreedyRule` ("greedy"): walk the trie, taking the best child at each node: the result of greedy
   decoding constrained to the candidates' canonical tokenizations. Its probabilities are those of
   constrained decoding: at each node a softmax over the allowed children, multiplied along the path.
-- `CodeRule` ("code"): the log-prob of each candidate's first continuation token only; used with the
-  code layout, where string values are listed under single-token codes (A, B, ...).
+- `CodeRule` ("code"): the log-prob of each candidate's first continuation token only, renormalised
+  over the codes; used with the code layout, where string values are listed under single-token
+  codes (A, B, ...).
 
 Any rule can be wrapped in `ContextualCalibration` ("option-cc", "greedy-cc"): the engine then
 subtracts, position by position, the log-probs the same branches get for content-free inputs ("N/A",
@@ -45,6 +51,9 @@ class Rule(Protocol):
     @property
     def corrects_prior(self) -> bool: ...
 
+    @property
+    def needs_normalizer(self) -> bool: ...
+
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores: ...
 
 
@@ -54,8 +63,8 @@ def token_logprobs(tree: TokenTree, logprobs: torch.Tensor) -> list[torch.Tensor
     out = []
     for path in tree.paths:
         index = torch.tensor([rows[pred] for pred, _ in path])
-        tokens = torch.tensor([token for _, token in path])
-        out.append(logprobs[index, tokens])
+        columns = torch.tensor([tree.column[token] for _, token in path])
+        out.append(logprobs[index, columns])
     return out
 
 
@@ -70,6 +79,7 @@ class OptionRule:
     normalize: str = "sum"  # "sum" or "mean"
     uses_codes: bool = False
     corrects_prior: bool = False
+    needs_normalizer: bool = True  # a sum of log-probs from different rows
 
     @property
     def name(self) -> str:
@@ -86,13 +96,15 @@ class CodeRule:
     name: str = "code"
     uses_codes: bool = True
     corrects_prior: bool = False
+    needs_normalizer: bool = False
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         root = logprobs[0]  # row 0 is tree.root
         firsts = [path[0][1] for path in tree.paths]
         if len(set(firsts)) != len(firsts):
             raise ValueError("code rule needs candidates with distinct first tokens")
-        return _from_scores(root[torch.tensor(firsts)])
+        scores = root[torch.tensor([tree.column[t] for t in firsts])]
+        return _from_scores(scores - torch.logsumexp(scores, dim=0))
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,7 @@ class GreedyRule:
     name: str = "greedy"
     uses_codes: bool = False
     corrects_prior: bool = False
+    needs_normalizer: bool = False
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         rows = {fed: row for row, fed in enumerate(tree.scored)}
@@ -107,9 +120,10 @@ class GreedyRule:
         for path in tree.paths:
             total = 0.0
             for pred, token in path:
-                allowed = torch.tensor(list(tree.children(pred)))
-                local = torch.log_softmax(logprobs[rows[pred], allowed].double(), dim=0)
-                total += float(local[allowed.tolist().index(token)])
+                allowed = list(tree.children(pred))
+                columns = torch.tensor([tree.column[t] for t in allowed])
+                local = torch.log_softmax(logprobs[rows[pred], columns].double(), dim=0)
+                total += float(local[allowed.index(token)])
             log_scores.append(total)
         return _from_scores(torch.tensor(log_scores), self._walk(tree, logprobs, rows))
 
@@ -120,7 +134,8 @@ class GreedyRule:
         while node is not None:
             children = tree.children(node)
             tokens = list(children)
-            best = tokens[int(torch.argmax(logprobs[rows[node], torch.tensor(tokens)]))]
+            columns = torch.tensor([tree.column[t] for t in tokens])
+            best = tokens[int(torch.argmax(logprobs[rows[node], columns]))]
             taken.append(best)
             node = children[best]
         return [tree.continuation(c) for c in range(len(tree.paths))].index(tuple(taken))
@@ -140,6 +155,10 @@ class ContextualCalibration:
     @property
     def uses_codes(self) -> bool:
         return self.base.uses_codes
+
+    @property
+    def needs_normalizer(self) -> bool:  # per row, text and prior differ by a shift only where
+        return self.base.needs_normalizer  # the base rule compares tokens of one row
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         return self.base.score(tree, logprobs)

@@ -105,7 +105,8 @@ def test_greedy_rule_walks_the_trie_by_the_best_child():
         for i, char in enumerate(word + '"}'):
             if word[:i] not in ("", "p", "po"):
                 put(word[:i], char, -0.01)
-    greedy, option = GreedyRule().score(tree, logprobs), OptionRule().score(tree, logprobs)
+    columns = logprobs[:, list(tree.vocab)]  # what the runner hands the rules: the tree's own tokens
+    greedy, option = GreedyRule().score(tree, columns), OptionRule().score(tree, columns)
     assert greedy.chosen == 2  # p, o, then t beats s
     assert option.chosen == 0  # the whole "neg" sequence is far more likely
     # greedy probabilities are those of constrained decoding: they sum to 1 over the leaves

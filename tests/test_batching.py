@@ -1,0 +1,176 @@
+"""Batched scoring (many requests per forward call), the OOM guard, and the LM head restricted to
+the scored tokens: all must give the scores of one-by-one calls (tiny random Llama, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcd_engine import PCDEngine
+from pcd_engine.packing import PassStats, pack_inputs, pack_rows
+from pcd_engine.scoring import GreedyRule
+from tests.test_packing import TEXT, Wide
+
+TEXTS = [
+    "refund me",
+    TEXT,
+    "Where is my parcel? It was due on Monday.",
+    "x",
+    "The app crashes when I log in. " * 3,
+    "How do I change my password?",
+    "charged twice",
+]
+
+
+class ForwardCounter:
+    """Counts the model's forward calls and the batch size of each."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.rows: list[int] = []
+        self.handle = module.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.rows.append(int(ids.shape[0]))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def assert_same_scores(got, want, tol=1e-4):
+    for result, reference in zip(got, want, strict=True):
+        assert result.value == reference.value
+        for path, field in reference.fields.items():
+            for value, score in field.log_scores.items():
+                assert result.fields[path].log_scores[value] == pytest.approx(score, abs=tol)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("budget", [4096, 300])
+def test_batched_scores_equal_one_by_one_calls(tiny_tokenizer, tiny_model, cache, budget):
+    engine = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=budget, prefix_cache=cache)
+    plan = engine.plan(Wide)
+    singles = [engine.classify(text, Wide) for text in TEXTS]
+    counter = ForwardCounter(tiny_model)
+    try:
+        batched = engine.classify_batch(TEXTS, Wide)
+    finally:
+        counter.close()
+    assert_same_scores(batched, singles)
+    widths = [r.diagnostics.prompt_tokens - len(plan.head) + plan.branch_tokens for r in batched]
+    if budget >= sum(widths) + len(TEXTS) * 20:  # everything fits one call (padding included)
+        assert max(counter.rows) == len(TEXTS)
+    else:
+        assert 1 < max(counter.rows) < len(TEXTS)  # several rows per call, several calls
+        assert all(rows * min(widths) <= budget or rows == 1 for rows in counter.rows)
+    head_calls = 0 if cache else 1  # without a cache the head is computed once for the whole batch
+    assert len(counter.rows) - head_calls < len(TEXTS)
+    assert all(r.diagnostics.forward_calls == 1 for r in batched) or not cache
+
+
+def test_a_request_too_long_for_the_budget_runs_alone_in_microbatches(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=100)
+    plan = engine.plan(Wide)
+    assert plan.branch_tokens > 100  # every request must split its trees
+    texts = TEXTS[:3]
+    batched = engine.classify_batch(texts, Wide)
+    assert all(r.diagnostics.forward_calls > 1 for r in batched)
+    assert_same_scores(batched, [engine.classify(t, Wide) for t in texts])
+
+
+def test_out_of_memory_halves_the_rows_and_retries(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer)
+    singles = [engine.classify(text, Wide) for text in TEXTS]
+    tried: list[int] = []
+
+    def fail_when_wide(module, args, kwargs):
+        rows = int(kwargs["input_ids"].shape[0])
+        tried.append(rows)
+        if rows > 2:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+
+    handle = tiny_model.register_forward_pre_hook(fail_when_wide, with_kwargs=True)
+    try:
+        batched = engine.classify_batch(TEXTS, Wide)
+    finally:
+        handle.remove()
+    assert tried[0] == len(TEXTS) and max(r for r in tried if r <= 2) == 2
+    assert_same_scores(batched, singles)
+
+
+def test_out_of_memory_on_a_single_row_is_that_input_s_error(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer)
+    engine.classify("warm the cache", Wide)
+
+    def always_fail(module, args, kwargs):
+        raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+
+    handle = tiny_model.register_forward_pre_hook(always_fail, with_kwargs=True)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.classify_batch(TEXTS[:3], Wide)
+    finally:
+        handle.remove()
+
+
+def test_rows_are_left_padded_so_trees_share_offsets():
+    from pcd_engine.branches import build_tree
+
+    chars = lambda s: [ord(c) for c in s]  # noqa: E731
+    trees = [build_tree(chars, "{", ["a", "b"])]
+    ids, positions, mask, offsets = pack_rows([[7, 8, 9], [5]], 2, trees, torch.float32)
+    allowed = mask[:, 0] == 0
+    assert ids.tolist() == [[7, 8, 9, ord("{")], [0, 0, 5, ord("{")]]
+    assert positions.tolist() == [[2, 3, 4, 5], [2, 2, 2, 3]]
+    assert offsets == [3]
+    for row, prompt in enumerate([[7, 8, 9], [5]]):  # the real tokens see what pack_inputs says
+        _, _, own, _ = pack_inputs(prompt, 2, trees, torch.float32)
+        pad = 3 - len(prompt)
+        assert torch.equal(allowed[row, pad:, :2], own[0, 0, :, :2] == 0)
+        assert torch.equal(allowed[row, pad:, 2 + pad :], own[0, 0, :, 2:] == 0)
+        assert not allowed[row, pad:, 2 : 2 + pad].any()  # nobody sees the padding
+    assert allowed[1, 0].tolist() == [False, False, True, False, False, False]  # a pad sees itself
+
+
+def test_rules_without_a_normaliser_compute_only_the_scored_lm_head_rows(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy")
+    plan = engine.plan(Wide)
+    assert plan.normalized == [False] * len(plan.trees)
+    engine.classify("warm up", Wide)
+    calls = ForwardCounter(tiny_model.lm_head)
+    try:
+        result = engine.classify(TEXT, Wide)
+        batched = engine.classify_batch(TEXTS, Wide)
+    finally:
+        calls.close()
+    assert calls.rows == []  # the LM head module never ran: only its rows for the trees' tokens
+    prompt = engine.prompt.with_head(plan.head, TEXT).ids
+    full = engine.runner.run(prompt, plan.trees, PassStats(), normalized=[True] * len(plan.trees))
+    rule = GreedyRule()
+    for dp, logprobs in zip([d for d in plan.decisions if d.tree], full, strict=True):
+        want = rule.score(dp.tree, logprobs)
+        got = result.fields[dp.decision.path]
+        assert got.value == dp.decision.candidates[want.chosen].value
+        assert list(got.log_scores.values()) == pytest.approx(list(want.log_scores), abs=1e-4)
+    singles = [engine.classify(text, Wide) for text in TEXTS]
+    assert_same_scores(batched, singles)
+
+
+def test_option_rule_sees_log_probs_normalised_over_the_whole_vocabulary(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option")
+    plan = engine.plan(Wide)
+    prompt = engine.prompt.with_head(plan.head, TEXT).ids
+    (first, *_) = engine.runner.run(prompt, plan.trees, PassStats(), normalized=plan.normalized)
+    assert first.shape == (len(plan.trees[0].scored), len(plan.trees[0].vocab))
+    assert bool((first <= 0).all())  # log-probs, not logits
+    assert len(plan.trees[0].vocab) < len(tiny_tokenizer)
+
+
+def test_diagnostics_say_whether_the_prefix_cache_served_the_head(tiny_tokenizer, tiny_model):
+    cached = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy")
+    assert cached.classify("a", Wide).diagnostics.prefix_cache_hit is False
+    assert cached.classify("b", Wide).diagnostics.prefix_cache_hit is True
+    assert all(r.diagnostics.prefix_cache_hit for r in cached.classify_batch(["c", "d"], Wide))
+    assert cached.prefix_cache is not None and cached.prefix_cache.stats.misses == 1
+    off = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy", prefix_cache=False)
+    assert off.classify("a", Wide).diagnostics.prefix_cache_hit is None
