@@ -6,6 +6,8 @@ JSON object with the scored values fixed (filling.py). `generate` / `stream` are
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import threading
@@ -21,10 +23,19 @@ from pcd_engine.cache import PrefixCache
 from pcd_engine.errors import InputError, PCDError, StructuredOutputError
 from pcd_engine.filling import FillJob, JsonFiller, generated_fields
 from pcd_engine.generate import Completion, Generator, Sampling, StopStrings
-from pcd_engine.loading import load_model_and_tokenizer
+from pcd_engine.loading import load_model_and_tokenizer, resolve_dtype
 from pcd_engine.output_types import output_type
 from pcd_engine.packing import BranchRunner, PassStats
 from pcd_engine.plan import DecisionPlan, SchemaPlan, build_plan
+from pcd_engine.precision import (
+    PROBE_HEAD,
+    PROBE_TEXTS,
+    FP32Rescorer,
+    PrecisionCheckError,
+    ProbeTicket,
+    SelfCheck,
+    self_check,
+)
 from pcd_engine.prompt import ChatPrompt, PromptIds
 from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
 from pcd_engine.schema import JSONScalar, Limits, compile_schema
@@ -57,7 +68,10 @@ class PCDEngine:
     `allow_generation` (generate open fields; False raises UnsupportedSchemaError for them),
     `sampling` (default decoding for generation: greedy), `generation_batch_size` (rows per padded
     generation batch), `stop_token_ids` (end-of-answer ids; default: the model's eos ids and the chat
-    template's end-of-turn token).
+    template's end-of-turn token), `reference_model` (an FP32 copy of the weights: scored fields whose
+    margin is below `rescore_margin` are scored again on it, so close calls match FP32), `self_check`
+    (for a model not in float32: compare packed and separate passes on a fixed probe at start-up and
+    raise PrecisionCheckError if they disagree; the report is `engine.precision_check`).
     """
 
     def __init__(
@@ -75,6 +89,9 @@ class PCDEngine:
         sampling: Sampling | None = None,
         generation_batch_size: int = 16,
         stop_token_ids: Sequence[int] | None = None,
+        reference_model: Any = None,
+        rescore_margin: float = 0.2,
+        self_check: bool = True,
     ) -> None:
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
@@ -101,8 +118,20 @@ class PCDEngine:
         self.generator = Generator(model, tokenizer, stops, self.runner.cache_kw)
         self.filler = JsonFiller(self.generator, self.prompt, self.limits)
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
-        self._prior_cache: dict[tuple[int, tuple[bool, ...]], list[torch.Tensor]] = {}
+        self._prior_cache: dict[tuple[int, tuple[bool, ...], int], list[torch.Tensor]] = {}
         self._plans_lock = threading.Lock()
+        self.rescorer = (
+            FP32Rescorer(
+                reference_model, rescore_margin, max_tokens_per_forward, self.prefix_cache is not None
+            )
+            if reference_model is not None
+            else None
+        )
+        self.precision_check: SelfCheck | None = None
+        if self_check and self.runner.dtype != torch.float32:
+            self.precision_check = self._self_check()
+            if not self.precision_check.passed:
+                raise PrecisionCheckError(self.precision_check)
 
     @classmethod
     def from_pretrained(
@@ -113,18 +142,28 @@ class PCDEngine:
         gguf_file: str | None = None,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype | None = None,
+        fp32_rescore: bool = False,
         model_kwargs: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> PCDEngine:
-        """Load a hub id (pin `revision`), a local folder, or a GGUF file, then build the engine."""
+        """Load a hub id (pin `revision`), a local folder, or a GGUF file, then build the engine.
+
+        `dtype` is float32 unless asked otherwise. With `fp32_rescore=True` and a lower `dtype`, the
+        weights are loaded in float32 and kept as the re-scoring reference beside a `dtype` copy that
+        does the work (memory: both copies).
+        """
+        wanted = resolve_dtype(dtype)
+        keep_fp32 = fp32_rescore and wanted != torch.float32
         model, tokenizer = load_model_and_tokenizer(
             name_or_path,
             revision=revision,
             gguf_file=gguf_file,
             device=device,
-            dtype=dtype,
+            dtype=torch.float32 if keep_fp32 else wanted,
             **dict(model_kwargs or {}),
         )
+        if keep_fp32:
+            options["reference_model"], model = model, copy.deepcopy(model).to(wanted)
         return cls(model, tokenizer, **options)
 
     def plan(
@@ -379,6 +418,42 @@ class PCDEngine:
             w.fields = self._decide(plan, logprobs, None, priors)
             w.timings["forward"] = (scoring - began) * 1e3 / len(work)
             w.timings["score"] = _ms(scoring) / len(work)
+        if self.rescorer is not None:
+            for w in work:
+                self._rescore(plan, w, self.rescorer)
+
+    def _rescore(self, plan: SchemaPlan, work: _Work, rescorer: FP32Rescorer) -> None:
+        """Score again in FP32 every decision whose margin is below the rescorer's threshold."""
+        began = time.perf_counter()
+        scored = plan.scored_decisions
+        low = [k for k, dp in enumerate(scored) if rescorer.needs(work.fields[dp.decision.path].margin)]
+        rescorer.checked_fields += len(scored)
+        if not low:
+            return
+        norms = plan.normalized
+        stats = PassStats()
+        trees = [plan.trees[k] for k in low]
+        runner, cache = rescorer.runner, rescorer.prefix_cache
+        logprobs = runner.run(work.prompt.ids, trees, stats, cache, len(plan.head), [norms[k] for k in low])
+        priors = None
+        if any(scored[k].rule.corrects_prior for k in low):
+            priors = self._priors(plan, stats, norms, runner, cache)
+        for k, lp in zip(low, logprobs, strict=True):
+            dp = scored[k]
+            if dp.rule.corrects_prior and priors is not None:
+                lp = lp - priors[k]
+            work.fields[dp.decision.path] = dataclasses.replace(_field_result(dp, lp, dp.rule), rescored=True)
+        rescorer.rescored_fields += len(low)
+        work.rescored += len(low)
+        work.stats.forward_calls += stats.forward_calls
+        work.timings["rescore"] = _ms(began)
+
+    def _self_check(self) -> SelfCheck:
+        """The probe through the packed path and through separate passes, in the model's dtype."""
+        plan = self.plan(ProbeTicket, rule="option", allow_generation=False)
+        head = self.prompt.encode_text(PROBE_HEAD)
+        prompts = [head + self.prompt.encode_text(text) for text in PROBE_TEXTS]
+        return self_check(self.runner, prompts, len(head), plan.trees)
 
     @staticmethod
     def _validate_closed(plan: SchemaPlan, work: _Work) -> None:
@@ -459,10 +534,18 @@ class PCDEngine:
             cache.crop(-(past - len(ids) + 1))
         return cache
 
-    def _priors(self, plan: SchemaPlan, stats: PassStats, norms: Sequence[bool]) -> list[torch.Tensor]:
-        """Per tree, the log of the mean probability over content-free texts (cached per plan), in
-        the same units as the request's scores (`norms`: log-probs or plain logits per tree)."""
-        key = (id(plan), tuple(norms))
+    def _priors(
+        self,
+        plan: SchemaPlan,
+        stats: PassStats,
+        norms: Sequence[bool],
+        runner: BranchRunner | None = None,
+        cache: PrefixCache | None = None,
+    ) -> list[torch.Tensor]:
+        """Per tree, the log of the mean probability over content-free texts (cached per plan and
+        model), in the same units as the request's scores (`norms`: log-probs or logits per tree)."""
+        runner, cache = (runner, cache) if runner is not None else (self.runner, self.prefix_cache)
+        key = (id(plan), tuple(norms), id(runner))
         with self._plans_lock:
             cached = self._prior_cache.get(key)
         if cached is not None:
@@ -470,7 +553,7 @@ class PCDEngine:
         runs = []
         for text in CONTENT_FREE_TEXTS:
             ids = self.prompt.with_head(plan.head, text).ids
-            runs.append(self.runner.run(ids, plan.trees, stats, self.prefix_cache, len(plan.head), norms))
+            runs.append(runner.run(ids, plan.trees, stats, cache, len(plan.head), norms))
         count = torch.log(torch.tensor(float(len(runs))))
         priors = [
             torch.logsumexp(torch.stack(per_tree), dim=0) - count for per_tree in zip(*runs, strict=True)
@@ -557,6 +640,7 @@ class _Work:
     error: PCDError | None = None
     generated_tokens: int = 0
     attempts: int = 0
+    rescored: int = 0
 
     def chosen(self) -> dict[str, JSONScalar]:
         return {path: f.value for path, f in self.fields.items() if f.source == "scored"}
@@ -575,6 +659,7 @@ class _Work:
             generated_tokens=self.generated_tokens,
             attempts=self.attempts,
             prefix_cache_hit=self.stats.cache_hit,
+            rescored_fields=self.rescored,
         )
         return PCDResult(to_output(self.value), self.fields, diagnostics)
 

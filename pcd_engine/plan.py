@@ -35,13 +35,18 @@ class SchemaPlan:
     json_schema: dict[str, Any] | None = None  # the model's JSON schema (capped), when it has open fields
 
     @property
+    def scored_decisions(self) -> list[DecisionPlan]:
+        """The decisions that have a token tree (more than one allowed value), in tree order."""
+        return [d for d in self.decisions if d.tree is not None]
+
+    @property
     def trees(self) -> list[TokenTree]:
-        return [d.tree for d in self.decisions if d.tree is not None]
+        return [d.tree for d in self.scored_decisions if d.tree is not None]
 
     @property
     def normalized(self) -> list[bool]:
         """Per tree, whether its rule needs log-probs normalised over the whole vocabulary."""
-        return [d.rule.needs_normalizer for d in self.decisions if d.tree is not None]
+        return [d.rule.needs_normalizer for d in self.scored_decisions]
 
     @property
     def branch_tokens(self) -> int:

@@ -32,6 +32,7 @@ class FieldResult:
     rule: str
     calibrated: bool = False
     source: str = "scored"
+    rescored: bool = False  # decided on the FP32 reference model (its margin was below the threshold)
 
     @classmethod
     def generated(cls, path: str, value: Any) -> FieldResult:
@@ -48,6 +49,7 @@ class FieldResult:
             out["probabilities"] = {json_key(k): p for k, p in self.probabilities.items()}
             out["margin"] = self.margin
             out["rule"] = self.rule
+            out["rescored"] = self.rescored
         return out
 
 
@@ -61,6 +63,7 @@ class Diagnostics:
     generated_tokens: int = 0  # decoding steps of constrained generation (open fields)
     attempts: int = 0  # generations run for open fields: 1, or 2 after a retry
     prefix_cache_hit: bool | None = None  # the schema's prompt head came from the cache (None: off)
+    rescored_fields: int = 0  # close calls scored again on the FP32 reference model
 
 
 @dataclass(frozen=True)
