@@ -33,6 +33,8 @@ import torch
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import PrefixCache
 
+LOGITS_BYTES = 64 * 2**20  # full-vocabulary float32 logits held at once while projecting
+
 
 @dataclass
 class PassStats:
@@ -292,7 +294,7 @@ class BranchRunner:
         if cache is not None:
             kwargs[self.cache_kw] = cache
         sizes = [len(t.scored) for t in trees]
-        if not all(normalized) and self._splits_head():
+        if self._splits_head():
             output = self.model.get_decoder()(**kwargs)
             hidden = output.last_hidden_state[:, keep_t]
             parts = torch.split(hidden, sizes, dim=1)
@@ -310,11 +312,19 @@ class BranchRunner:
         return rows, new_cache
 
     def _project(self, hidden: torch.Tensor, tree: TokenTree, normalized: bool) -> torch.Tensor:
-        """Scored columns from hidden states (B, K, H): the full LM head + log-softmax, or only the
-        LM-head rows of the tree's own tokens."""
+        """Scored columns from hidden states (B, K, H): the full LM head + log-softmax, a chunk of
+        positions at a time so that full-vocabulary logits never take more than LOGITS_BYTES; or
+        only the LM-head rows of the tree's own tokens."""
         head = self.model.get_output_embeddings()
         if normalized:
-            return torch.log_softmax(head(hidden).float(), dim=-1)[..., list(tree.vocab)]
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            columns = torch.tensor(tree.vocab, device=hidden.device)
+            step = max(1, LOGITS_BYTES // (4 * head.weight.shape[0]))
+            parts = [
+                torch.log_softmax(head(flat[i : i + step]).float(), dim=-1)[:, columns]
+                for i in range(0, flat.shape[0], step)
+            ]
+            return torch.cat(parts).reshape(*hidden.shape[:-1], len(tree.vocab))
         rows = torch.tensor(tree.vocab, device=hidden.device)
         bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
         return torch.nn.functional.linear(hidden, head.weight[rows], bias).float()

@@ -23,7 +23,8 @@ TEXTS = [
 
 
 class ForwardCounter:
-    """Counts the model's forward calls and the batch size of each."""
+    """Counts a module's forward calls and the batch size of each (hook the decoder: the runner
+    calls it directly when it projects only the scored positions itself)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.rows: list[int] = []
@@ -51,7 +52,7 @@ def test_batched_scores_equal_one_by_one_calls(tiny_tokenizer, tiny_model, cache
     engine = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=budget, prefix_cache=cache)
     plan = engine.plan(Wide)
     singles = [engine.classify(text, Wide) for text in TEXTS]
-    counter = ForwardCounter(tiny_model)
+    counter = ForwardCounter(tiny_model.get_decoder())
     try:
         batched = engine.classify_batch(TEXTS, Wide)
     finally:
@@ -89,7 +90,7 @@ def test_out_of_memory_halves_the_rows_and_retries(tiny_tokenizer, tiny_model):
         if rows > 2:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
 
-    handle = tiny_model.register_forward_pre_hook(fail_when_wide, with_kwargs=True)
+    handle = tiny_model.get_decoder().register_forward_pre_hook(fail_when_wide, with_kwargs=True)
     try:
         batched = engine.classify_batch(TEXTS, Wide)
     finally:
@@ -105,7 +106,7 @@ def test_out_of_memory_on_a_single_row_is_that_input_s_error(tiny_tokenizer, tin
     def always_fail(module, args, kwargs):
         raise torch.OutOfMemoryError("simulated: CUDA out of memory")
 
-    handle = tiny_model.register_forward_pre_hook(always_fail, with_kwargs=True)
+    handle = tiny_model.get_decoder().register_forward_pre_hook(always_fail, with_kwargs=True)
     try:
         with pytest.raises(torch.OutOfMemoryError):
             engine.classify_batch(TEXTS[:3], Wide)
@@ -174,3 +175,18 @@ def test_diagnostics_say_whether_the_prefix_cache_served_the_head(tiny_tokenizer
     assert cached.prefix_cache is not None and cached.prefix_cache.stats.misses == 1
     off = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy", prefix_cache=False)
     assert off.classify("a", Wide).diagnostics.prefix_cache_hit is None
+
+
+@pytest.mark.parametrize("rule", ["option-cc", "greedy"])
+def test_models_whose_logits_are_not_the_plain_lm_head_use_the_full_forward(tiny_tokenizer, tiny_model, rule):
+    split = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
+    whole = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
+    whole.runner._head_splits = False  # as if the model scaled or soft-capped its logits
+    counter = ForwardCounter(tiny_model)
+    try:
+        want = whole.classify_batch(TEXTS, Wide)
+    finally:
+        counter.close()
+    assert counter.rows  # the whole model's forward ran
+    assert split.runner._splits_head()
+    assert_same_scores(split.classify_batch(TEXTS, Wide), want)
