@@ -1,7 +1,14 @@
 """PrefixCache: KV caches of recent prompt prefixes, reused by the longest common token prefix.
 
 Entries are keyed by token ids and never mutated: a hit returns a private copy, cropped to the common
-length. The cache is bounded in bytes (least recently used entries go first) and safe under threads.
+length. For transformers' `DynamicCache` the copy shares the stored tensors (its layers only ever
+rebind their tensors: `update` concatenates into new ones, `crop` slices), so a hit costs no tensor
+memory; any other cache type is deep-copied. The cache is bounded in bytes (least recently used
+entries go first) and safe under threads.
+
+`frozen_view` serves a stored prefix to one forward call that must not keep anything: each layer
+attends over the prefix (repeated over the batch rows as a view) plus the call's new tokens, and
+keeps none of them, so the new keys and values of a layer are freed once its attention is done.
 The engine stores the per-schema prompt head, so every request with the same schema and instructions
 computes only its own text, the assistant start and the branches.
 """
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 @dataclass
@@ -48,7 +56,7 @@ class PrefixCache:
             kv, _ = self._entries[best]
             self.stats.hits += 1
             self.stats.reused_tokens += best_len
-            private = copy.deepcopy(kv)
+            private = private_copy(kv)
         if best_len < len(best):
             private.crop(-(len(best) - best_len))
         return private, best_len
@@ -59,7 +67,7 @@ class PrefixCache:
         size = _nbytes(kv)
         if size > self.max_bytes:
             return
-        entry = copy.deepcopy(kv)
+        entry = private_copy(kv)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -81,6 +89,47 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def private_copy(kv: Any) -> Any:
+    """A copy of `kv` that its user may grow or crop without changing `kv` (shares tensors where safe)."""
+    if not _dynamic(kv):
+        return copy.deepcopy(kv)
+    return copy.deepcopy(kv, memo={id(t): t for t in _tensors(kv, depth=0)})
+
+
+def frozen_view(kv: Any, rows: int = 1) -> Any:
+    """A cache over `kv` for one forward call of `rows` rows that keeps none of the call's tokens;
+    None when `kv` is not a plain DynamicCache (the caller then copies it)."""
+    if not _dynamic(kv):
+        return None
+    view = private_copy(kv)
+    for layer in view.layers:
+        layer.__class__ = _FrozenLayer
+        layer.rows = rows
+    return view
+
+
+def _dynamic(kv: Any) -> bool:
+    if type(kv) is not DynamicCache:
+        return False
+    return bool(kv.layers) and all(type(layer) is DynamicLayer for layer in kv.layers)
+
+
+class _FrozenLayer(DynamicLayer):
+    """A DynamicLayer whose `update` returns the stored prefix (as `rows` rows) plus the new keys and
+    values, and stores nothing."""
+
+    rows = 1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None
+        shape = (self.rows, -1, -1, -1)
+        keys = torch.cat([self.keys.expand(shape), key_states], dim=-2)
+        values = torch.cat([self.values.expand(shape), value_states], dim=-2)
+        return keys, values
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

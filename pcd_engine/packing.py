@@ -31,9 +31,11 @@ from typing import Any
 import torch
 
 from pcd_engine.branches import TokenTree
-from pcd_engine.cache import PrefixCache
+from pcd_engine.cache import PrefixCache, frozen_view
 
-LOGITS_BYTES = 64 * 2**20  # full-vocabulary float32 logits held at once while projecting
+# full-vocabulary float32 logits held at once while projecting: small on CPU (memory), large on a GPU
+# (each chunk reads the whole LM-head weight, so fewer, larger chunks are faster)
+LOGITS_BYTES = {"cpu": 16 * 2**20, "cuda": 512 * 2**20}
 
 
 @dataclass
@@ -147,6 +149,8 @@ class BranchRunner:
         budget = self.max_tokens_per_forward
         groups = microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
         out: list[torch.Tensor] = []
+        if len(groups) == 1 and cache is not None:  # nothing of this call is needed afterwards
+            cache = frozen_view(cache) or cache
         for number, group in enumerate(groups):
             feed = prompt_ids[past:] if number == 0 else ()
             keep_cache = len(groups) > 1 or cache is not None
@@ -156,7 +160,7 @@ class BranchRunner:
             stats.forward_calls += 1
             stats.fed_tokens += len(feed) + sum(len(t.tokens) for t in chosen)
             out.extend(scores)
-            if cache is not None:  # drop this group's tree tokens, keep the prompt
+            if cache is not None and len(groups) > 1:  # drop this group's tree tokens, keep the prompt
                 cache.crop(-(cache.get_seq_length() - len(prompt_ids)))
         return out
 
@@ -225,9 +229,11 @@ class BranchRunner:
         stats: Sequence[PassStats],
     ) -> dict[int, list[torch.Tensor]]:
         """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many."""
-        cache = copy.deepcopy(shared)
-        if len(group) > 1:
-            cache.batch_repeat_interleave(len(group))
+        cache = frozen_view(shared, len(group))
+        if cache is None:  # not a DynamicCache: a real copy, repeated per row
+            cache = copy.deepcopy(shared)
+            if len(group) > 1:
+                cache.batch_repeat_interleave(len(group))
         packed = pack_rows([prompts[i][past:] for i in group], past, trees, self.dtype)
         try:
             scores, _ = self._forward(packed, trees, norms, cache, keep_cache=False)
@@ -313,13 +319,14 @@ class BranchRunner:
 
     def _project(self, hidden: torch.Tensor, tree: TokenTree, normalized: bool) -> torch.Tensor:
         """Scored columns from hidden states (B, K, H): the full LM head + log-softmax, a chunk of
-        positions at a time so that full-vocabulary logits never take more than LOGITS_BYTES; or
+        positions at a time so that full-vocabulary logits stay within LOGITS_BYTES; or
         only the LM-head rows of the tree's own tokens."""
         head = self.model.get_output_embeddings()
         if normalized:
             flat = hidden.reshape(-1, hidden.shape[-1])
             columns = torch.tensor(tree.vocab, device=hidden.device)
-            step = max(1, LOGITS_BYTES // (4 * head.weight.shape[0]))
+            budget = LOGITS_BYTES.get(hidden.device.type, LOGITS_BYTES["cpu"])
+            step = max(1, budget // (4 * head.weight.shape[0]))
             parts = [
                 torch.log_softmax(head(flat[i : i + step]).float(), dim=-1)[:, columns]
                 for i in range(0, flat.shape[0], step)

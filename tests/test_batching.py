@@ -190,3 +190,26 @@ def test_models_whose_logits_are_not_the_plain_lm_head_use_the_full_forward(tiny
     assert counter.rows  # the whole model's forward ran
     assert split.runner._splits_head()
     assert_same_scores(split.classify_batch(TEXTS, Wide), want)
+
+
+def test_cached_entries_share_tensors_and_are_never_changed(tiny_tokenizer, tiny_model):
+    from pcd_engine.cache import frozen_view, private_copy
+
+    engine = PCDEngine(tiny_model, tiny_tokenizer)
+    engine.classify("first", Wide)
+    assert engine.prefix_cache is not None
+    ((stored, _),) = list(engine.prefix_cache._entries.values())
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in stored.layers]
+    engine.classify(TEXT, Wide)
+    engine.classify_batch(TEXTS, Wide)
+    for layer, (keys, values) in zip(stored.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    length = stored.get_seq_length()
+    copy_ = private_copy(stored)
+    assert copy_.layers[0].keys.data_ptr() == stored.layers[0].keys.data_ptr()  # no tensor memory
+    copy_.crop(-2)
+    assert stored.get_seq_length() == length
+    view = frozen_view(stored, rows=3)
+    keys, _ = view.layers[0].update(torch.zeros(3, 2, 4, 16), torch.zeros(3, 2, 4, 16))
+    assert keys.shape == (3, 2, length + 4, 16) and view.get_seq_length() == length
+    assert frozen_view(object()) is None

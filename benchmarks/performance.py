@@ -1,0 +1,245 @@
+"""Issue-6 benchmark (CPU): per-call latency cold and warm against AR JSON and the floor, batched
+throughput, memory of a 32-field x 8-option request, and bf16 decisions against FP32.
+
+One process, SmolLM2-135M-Instruct (FP32 unless said), the same prompt token ids for every system.
+Ratios are computed text by text and their median is printed.
+
+    python benchmarks/performance.py --limit 12 --batch-texts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, create_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.accuracy_latency import Outcome, evaluate, prompt_ids, run_ar, run_floor, xgrammar_grammar
+from benchmarks.data import load_set
+from minicpm_pcd_adapters import load_smollm2
+from pcd_engine import PCDEngine
+
+AR_TOKENS = {"bitext_customer_support": 128, "banking77": 40}
+WORDS = ["red", "green", "blue", "black", "white", "orange", "purple", "brown"]
+
+
+def run_engine(engine: PCDEngine, schema: type[BaseModel], rule: str | None = None):
+    def call(text: str) -> Outcome:
+        t = time.perf_counter()
+        result = engine.classify(text, schema, rule=rule)
+        return Outcome(time.perf_counter() - t, result.value.model_dump(), result.diagnostics.forward_calls)
+
+    return call
+
+
+def latency(base: PCDEngine, name: str, limit: int, greedy_limit: int) -> dict[str, Any]:
+    schema, rows = load_set(name, limit)
+    cold = PCDEngine(base.model, base.tokenizer, prefix_cache=False)
+    for engine in (base, cold):  # compile the plan and its content-free prior outside the timing
+        engine.classify("warm-up", schema)
+        engine.classify("warm-up", schema, rule="greedy-cc")
+    systems = {
+        "ours warm (option-cc)": run_engine(base, schema),
+        "ours warm (greedy-cc)": run_engine(base, schema, "greedy-cc"),
+        "ours cold (option-cc, no prefix cache)": run_engine(cold, schema),
+        "floor (bare forward, same prompt)": run_floor(base, schema),
+        "AR JSON xgrammar": run_ar(base, schema, AR_TOKENS[name], xgrammar_grammar(base, schema)),
+        "AR JSON greedy": run_ar(base, schema, AR_TOKENS[name]),
+    }
+    out = {}
+    for label, call in systems.items():
+        subset = rows[:greedy_limit] if label == "AR JSON greedy" else rows
+        out[label] = evaluate([call(row["text"]) for row in subset], subset)
+        print(f"[{name}] {label}: median {out[label]['median_ms']:.0f} ms", file=sys.stderr, flush=True)
+    return out
+
+
+def print_latency(name: str, results: dict[str, Any]) -> None:
+    print(f"\n## {name}: per-call latency (SmolLM2-135M, CPU, fp32)")
+    print("| system | texts | median ms | field acc | valid | forward calls/req |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, r in results.items():
+        cells = [
+            r["n"],
+            f"{r['median_ms']:.0f}",
+            f"{r['field_acc']:.3f}",
+            f"{r['valid']:.2f}",
+            f"{r['calls']:.1f}",
+        ]
+        print(f"| {label} | " + " | ".join(map(str, cells)) + " |")
+    ours = [k for k in results if k.startswith("ours")]
+    others = [k for k in results if k not in ours]
+    print("\nmedian per-text ratio, other / ours (>1: ours faster)")
+    print("| ours | " + " | ".join(others) + " |")
+    print("|---|" + "---:|" * len(others))
+    for label in ours:
+        mine = results[label]["seconds"]
+        cells = [
+            statistics.median(b / a for a, b in zip(mine, results[o]["seconds"], strict=False))
+            for o in others
+        ]
+        print(f"| {label} | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
+
+
+def throughput(engine: PCDEngine, count: int, sizes: list[int]) -> dict[int, float]:
+    schema, rows = load_set("bitext_customer_support", count)
+    texts = [row["text"] for row in rows]
+    engine.classify("warm-up", schema)
+    reference = None
+    out: dict[int, float] = {}
+    for size in sizes:
+        t = time.perf_counter()
+        if size == 1:
+            results = [engine.classify(text, schema) for text in texts]
+        else:
+            results = [
+                r for i in range(0, count, size) for r in engine.classify_batch(texts[i : i + size], schema)
+            ]
+        out[size] = count / (time.perf_counter() - t)
+        values = [r.value for r in results]
+        assert reference is None or values == reference, f"batch {size} changed a decision"
+        reference = values
+        print(f"[throughput] batch {size}: {out[size]:.2f} texts/s", file=sys.stderr, flush=True)
+    return out
+
+
+def wide_schema(fields: int = 32, options: int = 8) -> type[BaseModel]:
+    spec: dict[str, Any] = {
+        f"field_{i:02d}": (Literal[tuple(f"{w}_{i}" for w in WORDS[:options])], ...)  # type: ignore[misc]
+        for i in range(fields)
+    }
+    return create_model("Wide32x8", **spec)
+
+
+def memory_child(kind: str) -> None:
+    """In a fresh process: load, note the resident size, run one request, print the peak growth."""
+    engine = load_smollm2()
+    schema = wide_schema()
+    text = "The paint on the fence is red in some places and blue in others; which colours apply?"
+    plan = engine.plan(schema)  # compiling a schema is not the request
+    engine.plan(schema, rule="option")
+    ids = prompt_ids(engine, schema, text)
+    resident = _rss_kib()
+    if kind == "ours":
+        engine.classify(text, schema, rule="option")
+    elif kind == "ours-cc":
+        engine.classify(text, schema)  # also runs the three content-free passes of the prior
+    else:
+        with torch.inference_mode():
+            engine.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(
+        json.dumps({"added_mib": (peak - resident) / 1024, "prompt": len(ids), "branch": plan.branch_tokens})
+    )
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def memory() -> dict[str, Any]:
+    out = {}
+    for kind in ("prefill", "ours", "ours-cc"):
+        done = subprocess.run(
+            [sys.executable, __file__, "--memory-child", kind], capture_output=True, text=True, check=True
+        )
+        out[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"[memory] {kind}: {out[kind]}", file=sys.stderr, flush=True)
+    return out
+
+
+def precision(base: PCDEngine, limit: int, margin: float) -> dict[str, Any]:
+    """bf16 decisions against FP32 ones, without and with FP32 re-scoring below `margin`."""
+    started = time.perf_counter()
+    fast = copy.deepcopy(base.model).to(torch.bfloat16)
+    mixed = PCDEngine(fast, base.tokenizer, reference_model=base.model, rescore_margin=margin)
+    check_s = time.perf_counter() - started
+    plain = PCDEngine(fast, base.tokenizer, self_check=False)
+    out: dict[str, Any] = {"self_check": vars(mixed.precision_check), "self_check_s": check_s}
+    for name in AR_TOKENS:
+        schema, rows = load_set(name, limit)
+        fields = same_plain = same_mixed = rescored = 0
+        seconds = {"fp32": 0.0, "bf16": 0.0, "bf16+rescore": 0.0}
+        for row in rows:
+            results = {}
+            for label, engine in (("fp32", base), ("bf16", plain), ("bf16+rescore", mixed)):
+                t = time.perf_counter()
+                results[label] = engine.classify(row["text"], schema)
+                seconds[label] += time.perf_counter() - t
+            for path, field in results["fp32"].fields.items():
+                fields += 1
+                same_plain += results["bf16"].fields[path].value == field.value
+                same_mixed += results["bf16+rescore"].fields[path].value == field.value
+            rescored += results["bf16+rescore"].diagnostics.rescored_fields
+        out[name] = {
+            "fields": fields,
+            "bf16_agreement": same_plain / fields,
+            "rescored_agreement": same_mixed / fields,
+            "rescored_share": rescored / fields,
+            "seconds": seconds,
+        }
+        print(f"[precision] {name}: {out[name]}", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--limit", type=int, default=12, help="texts per set for per-call latency")
+    parser.add_argument("--greedy-limit", type=int, default=6, help="texts for plain greedy AR JSON")
+    parser.add_argument("--batch-texts", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 16, 64])
+    parser.add_argument("--precision-limit", type=int, default=12)
+    parser.add_argument("--margin", type=float, default=0.2)
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["latency", "throughput", "memory", "precision"]
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child)
+        return
+    report: dict[str, Any] = {}
+    engine = load_smollm2()
+    if "latency" not in args.skip:
+        for name in AR_TOKENS:
+            report[name] = latency(engine, name, args.limit, args.greedy_limit)
+            print_latency(name, report[name])
+    if "throughput" not in args.skip:
+        report["throughput"] = throughput(engine, args.batch_texts, args.batch_sizes)
+        print(f"\n## classify_batch throughput, bitext, {args.batch_texts} texts")
+        print("| batch | texts/s | vs batch 1 |\n|---:|---:|---:|")
+        first = report["throughput"][args.batch_sizes[0]]
+        for size, rate in report["throughput"].items():
+            print(f"| {size} | {rate:.2f} | {rate / first:.2f}x |")
+    if "memory" not in args.skip:
+        report["memory"] = mem = memory()
+        print("\n## memory added by one 32-field x 8-option request (MiB above the loaded model)")
+        print(f"prompt {mem['prefill']['prompt']} tokens, branch tokens {mem['ours']['branch']}")
+        for kind in ("prefill", "ours", "ours-cc"):
+            added = mem[kind]["added_mib"]
+            print(f"- {kind}: {added:.0f} MiB ({added / mem['prefill']['added_mib']:.2f}x the prefill)")
+    if "precision" not in args.skip:
+        report["precision"] = precision(engine, args.precision_limit, args.margin)
+        print("\n## bf16 decisions vs FP32 (SmolLM2, CPU)")
+        print(json.dumps(report["precision"], indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
