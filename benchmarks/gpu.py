@@ -12,6 +12,7 @@ out/tokenizer` here, carry `out/tokenizer`, and pass `--tokenizer out/tokenizer`
 
     python benchmarks/gpu.py                       # everything (a few minutes on one H200)
     python benchmarks/gpu.py --dtypes bfloat16 --batch-sizes 1 64 256
+    python benchmarks/gpu.py --device cpu --layers 2 --calls 4 --batch-sizes 1 4   # smoke test, no GPU
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ class Ticket8(BaseModel):
     ]  # fmt: skip
     intent: Literal[
         "cancel_order", "change_order", "change_shipping_address", "check_cancellation_fee",
-        "check_invoice", "check_payment_methods", "check_refund_policy", "complaint", "contact_customer_service",
-        "contact_human_agent", "create_account", "delete_account", "delivery_options", "delivery_period",
-        "edit_account", "get_invoice", "get_refund", "newsletter_subscription", "payment_issue", "place_order",
-        "recover_password", "registration_problems", "review", "set_up_shipping_address", "switch_account",
-        "track_order", "track_refund",
+        "check_invoice", "check_payment_methods", "check_refund_policy", "complaint",
+        "contact_customer_service", "contact_human_agent", "create_account", "delete_account",
+        "delivery_options", "delivery_period", "edit_account", "get_invoice", "get_refund",
+        "newsletter_subscription", "payment_issue", "place_order", "recover_password",
+        "registration_problems", "review", "set_up_shipping_address", "switch_account", "track_order",
+        "track_refund",
     ]  # fmt: skip
     is_question: bool = Field(description="the message asks a question")
     is_colloquial: bool
@@ -127,12 +129,16 @@ def _trained_bpe() -> Any:
     return tokenizer
 
 
-def random_model(dtype: torch.dtype, attn: str) -> Any:
+DEVICE = torch.device("cuda")
+
+
+def random_model(dtype: torch.dtype, attn: str, layers: int | None) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**MINICPM5_2B_CONFIG, attn_implementation=attn)
-    with torch.device("cuda"):
+    shape = {**MINICPM5_2B_CONFIG, **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**shape, attn_implementation=attn)
+    with DEVICE:
         model = LlamaForCausalLM(config).to(dtype)
     return model.eval()
 
@@ -146,13 +152,14 @@ def texts_for(engine: PCDEngine, schema: type[BaseModel], prompt_tokens: int, co
     words = (FILLER * 8).split()
     out = []
     for i in range(count):
-        ids = engine.prompt.encode_text(" ".join([f"Ticket {i}:"] + words[i % 7 :]))[:room]
+        ids = engine.prompt.encode_text(" ".join([f"Ticket {i}:", *words[i % 7 :]]))[:room]
         out.append(engine.tokenizer.decode(ids))
     return out
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def per_call(engine: PCDEngine, schema: type[BaseModel], texts: list[str]) -> dict[str, float]:
@@ -228,14 +235,20 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--save-tokenizer", default=None, help="write the tokenizer to this folder and stop")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test)")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than 42 (smoke tests only)")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.tokenizer)
     if args.save_tokenizer:
         tokenizer.save_pretrained(args.save_tokenizer)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu.py needs a CUDA device")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    on_gpu = DEVICE.type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA device (or --device cpu for a smoke test)")
+    name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "layers": args.layers or 42}
     engines: dict[str, PCDEngine] = {}
     for attn in args.attn:
         for name in args.dtypes:
@@ -243,14 +256,16 @@ def main() -> None:
             key = f"{name}/{attn}"
             print(f"[{key}]", file=sys.stderr, flush=True)
             try:
-                model = random_model(dtype, attn)
+                model = random_model(dtype, attn, args.layers)
             except Exception as error:  # an attention kernel this transformers cannot use
                 report[key] = {"error": repr(error)}
                 continue
-            torch.cuda.reset_peak_memory_stats()
-            weights = torch.cuda.memory_allocated()
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            weights = torch.cuda.memory_allocated() if on_gpu else 0
             engine = PCDEngine(model, tokenizer, max_tokens_per_forward=args.tokens_per_forward)
-            row: dict[str, Any] = {"weights_gib": weights / 2**30}
+            size = sum(p.numel() * p.element_size() for p in model.parameters())
+            row: dict[str, Any] = {"weights_gib": size / 2**30}
             if engine.precision_check is not None:
                 row["self_check"] = vars(engine.precision_check)
             for schema in (Ticket3, Ticket8):
@@ -260,7 +275,8 @@ def main() -> None:
                 row[schema.__name__] = per_call(engine, schema, texts[: args.calls])
                 row[f"{schema.__name__}_throughput"] = batched(engine, schema, texts, args.batch_sizes)
                 print(f"  {schema.__name__}: {row[schema.__name__]}", file=sys.stderr, flush=True)
-            row["peak_gib_above_weights"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
+            if on_gpu:
+                row["peak_gib_above_weights"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
             report[key] = row
             engines[key] = engine
     fp32, bf16 = engines.get(f"float32/{args.attn[0]}"), engines.get(f"bfloat16/{args.attn[0]}")

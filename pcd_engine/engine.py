@@ -63,7 +63,8 @@ class PCDEngine:
 
     Options: `rule` ("option-cc", "option", "option-mean", "greedy", "greedy-cc", "code" or a Rule
     object), `limits`, `chat_template_kwargs` (e.g. `{"enable_thinking": False}`), `instructions`
-    (default system instructions), `max_tokens_per_forward` (microbatch budget), `prefix_cache` (True,
+    (default system instructions), `max_tokens_per_forward` (tokens per forward call, which bounds
+    microbatches and batched rows; default 2,048 on CPU, 32,768 on CUDA), `prefix_cache` (True,
     False or a shared `PrefixCache`: reuse the KV of the per-schema prompt head across calls),
     `allow_generation` (generate open fields; False raises UnsupportedSchemaError for them),
     `sampling` (default decoding for generation: greedy), `generation_batch_size` (rows per padded
@@ -83,7 +84,7 @@ class PCDEngine:
         limits: Limits | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         instructions: str | None = None,
-        max_tokens_per_forward: int = 2048,
+        max_tokens_per_forward: int | None = None,
         prefix_cache: bool | PrefixCache = True,
         allow_generation: bool = True,
         sampling: Sampling | None = None,
@@ -93,6 +94,9 @@ class PCDEngine:
         rescore_margin: float = 0.2,
         self_check: bool = True,
     ) -> None:
+        if max_tokens_per_forward is None:
+            on_gpu = next(model.parameters()).device.type == "cuda"
+            max_tokens_per_forward = 32768 if on_gpu else 2048
         if max_tokens_per_forward < 1:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
         if generation_batch_size < 1:
