@@ -106,6 +106,15 @@ def pack_rows(
     return ids_out, positions_out, mask_out, offsets
 
 
+def _to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the CPU, with one device-to-host copy for all of them."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    parts = torch.split(flat, [t.numel() for t in tensors])
+    return [part.reshape(t.shape) for part, t in zip(parts, tensors, strict=True)]
+
+
 class BranchRunner:
     """Runs packed branch passes on one Hugging Face causal LM and returns the scored columns.
 
@@ -314,6 +323,7 @@ class BranchRunner:
             parts = torch.split(logprobs, sizes, dim=1)
             per_tree = [p[..., list(t.vocab)] for p, t in zip(parts, trees, strict=True)]
         new_cache = output["cache" if "cache" in output else "past_key_values"] if keep_cache else None
+        per_tree = _to_cpu(per_tree)  # small; the rules then index them without device round trips
         rows = [[scores[row] for scores in per_tree] for row in range(ids.shape[0])]
         return rows, new_cache
 

@@ -6,6 +6,7 @@ import torch
 
 from pcd_engine import PCDEngine
 from pcd_engine.packing import PassStats
+from pcd_engine.precision import separate_logprobs
 from pcd_engine.scoring import token_logprobs
 
 
@@ -17,11 +18,5 @@ def packed_and_separate(engine: PCDEngine, schema, text: str) -> list[tuple[torc
     pairs = []
     for tree, logprobs in zip(plan.trees, packed, strict=True):
         for candidate, got in enumerate(token_logprobs(tree, logprobs)):
-            continuation = list(tree.continuation(candidate))
-            ids = torch.tensor([prompt + list(tree.chain) + continuation])
-            with torch.inference_mode():
-                full = torch.log_softmax(engine.model(input_ids=ids).logits[0].float(), dim=-1)
-            start = len(prompt) + len(tree.chain) - 1
-            want = full[start + torch.arange(len(continuation)), torch.tensor(continuation)]
-            pairs.append((got, want))
+            pairs.append((got, separate_logprobs(engine.model, prompt, tree, candidate)))
     return pairs
