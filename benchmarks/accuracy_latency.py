@@ -210,7 +210,11 @@ def print_table(name: str, results: dict[str, Any]) -> None:
             f"| {label} | {r['n']} | {r['median_ms']:.0f} | {r['field_acc']:.3f} | {r['exact_acc']:.3f} "
             f"| {r['valid']:.2f} | {r['calls']:.1f} |"
         )
-    ours = [k for k in results if k.startswith("pcd:")]
+    print_ratios(results, [k for k in results if k.startswith("pcd:")])
+
+
+def print_ratios(results: dict[str, Any], ours: list[str]) -> None:
+    """A table of median per-text latency ratios, every other system / each of ours."""
     baselines = [b for b in results if b not in ours]
     print("\nmedian per-text latency ratio, baseline / ours (>1: ours faster), on the texts both ran")
     print("| ours | " + " | ".join(baselines) + " |")

@@ -209,6 +209,29 @@ def agreement(
     return out
 
 
+def measure(
+    model: Any, tokenizer: Any, args: argparse.Namespace, on_gpu: bool
+) -> tuple[dict[str, Any], PCDEngine]:
+    """Latency, throughput and peak memory of one model (one dtype, one attention kernel)."""
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    weights = torch.cuda.memory_allocated() if on_gpu else 0
+    engine = PCDEngine(model, tokenizer, max_tokens_per_forward=args.tokens_per_forward)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    row: dict[str, Any] = {"weights_gib": size / 2**30}
+    if engine.precision_check is not None:
+        row["self_check"] = vars(engine.precision_check)
+    for schema in (Ticket3, Ticket8):
+        count = max(args.calls, max(args.batch_sizes) * 4)
+        texts = texts_for(engine, schema, args.prompt_tokens, count)
+        row[schema.__name__] = per_call(engine, schema, texts[: args.calls])
+        row[f"{schema.__name__}_throughput"] = batched(engine, schema, texts, args.batch_sizes)
+        print(f"  {schema.__name__}: {row[schema.__name__]}", file=sys.stderr, flush=True)
+    if on_gpu:
+        row["peak_gib_above_weights"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
+    return row, engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
@@ -248,25 +271,14 @@ def main() -> None:
             except Exception as error:  # an attention kernel this transformers cannot use
                 report[key] = {"error": repr(error)}
                 continue
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats()
-            weights = torch.cuda.memory_allocated() if on_gpu else 0
-            engine = PCDEngine(model, tokenizer, max_tokens_per_forward=args.tokens_per_forward)
-            size = sum(p.numel() * p.element_size() for p in model.parameters())
-            row: dict[str, Any] = {"weights_gib": size / 2**30}
-            if engine.precision_check is not None:
-                row["self_check"] = vars(engine.precision_check)
-            for schema in (Ticket3, Ticket8):
-                texts = texts_for(
-                    engine, schema, args.prompt_tokens, max(args.calls, max(args.batch_sizes) * 4)
-                )
-                row[schema.__name__] = per_call(engine, schema, texts[: args.calls])
-                row[f"{schema.__name__}_throughput"] = batched(engine, schema, texts, args.batch_sizes)
-                print(f"  {schema.__name__}: {row[schema.__name__]}", file=sys.stderr, flush=True)
-            if on_gpu:
-                row["peak_gib_above_weights"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
+            try:
+                row, engine = measure(model, tokenizer, args, on_gpu)
+            except Exception as error:  # e.g. a kernel that rejects the 4-D float masks
+                report[key] = {"error": repr(error)}
+                continue
             report[key] = row
-            engines[key] = engine
+            if attn == args.attn[0]:
+                engines[key] = engine
     fp32, bf16 = engines.get(f"float32/{args.attn[0]}"), engines.get(f"bfloat16/{args.attn[0]}")
     if fp32 is not None and bf16 is not None:
         mixed = PCDEngine(

@@ -13,7 +13,6 @@ import argparse
 import copy
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +24,15 @@ from pydantic import BaseModel, create_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.accuracy_latency import Outcome, evaluate, prompt_ids, run_ar, run_floor, xgrammar_grammar
+from benchmarks.accuracy_latency import (
+    Outcome,
+    evaluate,
+    print_ratios,
+    prompt_ids,
+    run_ar,
+    run_floor,
+    xgrammar_grammar,
+)
 from benchmarks.data import load_set
 from minicpm_pcd_adapters import load_smollm2
 from pcd_engine import PCDEngine
@@ -78,18 +85,7 @@ def print_latency(name: str, results: dict[str, Any]) -> None:
             f"{r['calls']:.1f}",
         ]
         print(f"| {label} | " + " | ".join(map(str, cells)) + " |")
-    ours = [k for k in results if k.startswith("ours")]
-    others = [k for k in results if k not in ours]
-    print("\nmedian per-text ratio, other / ours (>1: ours faster)")
-    print("| ours | " + " | ".join(others) + " |")
-    print("|---|" + "---:|" * len(others))
-    for label in ours:
-        mine = results[label]["seconds"]
-        cells = [
-            statistics.median(b / a for a, b in zip(mine, results[o]["seconds"], strict=False))
-            for o in others
-        ]
-        print(f"| {label} | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
+    print_ratios(results, [k for k in results if k.startswith("ours")])
 
 
 def throughput(engine: PCDEngine, count: int, sizes: list[int]) -> dict[int, float]:
