@@ -1,6 +1,7 @@
 """The packed branch pass: all token trees of all decisions in one sequence after the prompt.
 
-One call feeds `[prompt tokens][tree 1][tree 2]...` with a 4-D additive mask: a prompt token sees the
+One call feeds `[prompt tokens][tree 1][tree 2]...` with a 4-D attention mask (built as booleans,
+made additive on the model's device): a prompt token sees the
 prompt causally; a tree token sees the whole prompt and its own ancestors in its tree, nothing of other
 trees. Position ids restart at `len(prompt)` for every tree, so each branch is computed exactly as if it
 followed the prompt alone. When the trees exceed the token budget they are split into microbatches: the
@@ -61,9 +62,10 @@ def microbatches(trees: Sequence[TokenTree], first_budget: int, budget: int) -> 
 
 
 def pack_inputs(
-    prompt_ids: Sequence[int], past_len: int, trees: Sequence[TokenTree], dtype: torch.dtype
+    prompt_ids: Sequence[int], past_len: int, trees: Sequence[TokenTree]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """input ids (1, L), position ids (1, L), additive mask (1, 1, L, past+L), tree offsets in L."""
+    """input ids (1, L), position ids (1, L), boolean mask (1, 1, L, past+L) (True: may attend),
+    tree offsets in L."""
     n_prompt = len(prompt_ids)
     prompt_end = past_len + n_prompt  # every tree position restarts here
     offsets, ids, positions = [], list(prompt_ids), list(range(past_len, prompt_end))
@@ -79,17 +81,16 @@ def pack_inputs(
         rows = slice(offset, offset + len(tree.tokens))
         cols = slice(past_len + offset, past_len + offset + len(tree.tokens))
         allowed[rows, cols] = tree.ancestors
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return torch.tensor([ids]), torch.tensor([positions]), mask[None, None], offsets
+    return torch.tensor([ids]), torch.tensor([positions]), allowed[None, None], offsets
 
 
 def pack_rows(
-    prompts: Sequence[Sequence[int]], past_len: int, trees: Sequence[TokenTree], dtype: torch.dtype
+    prompts: Sequence[Sequence[int]], past_len: int, trees: Sequence[TokenTree]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """`pack_inputs` for several prompts on one shared past: left-padded rows (B, L), positions,
     masks (B, 1, L, past+L) and the tree offsets, the same in every row. A padding token sees only
     itself and no real token sees it."""
-    packed = [pack_inputs(p, past_len, trees, torch.float32) for p in prompts]
+    packed = [pack_inputs(p, past_len, trees) for p in prompts]
     width = max(ids.shape[1] for ids, _, _, _ in packed)
     ids_out = torch.zeros(len(prompts), width, dtype=torch.long)
     positions_out = torch.full((len(prompts), width), past_len, dtype=torch.long)
@@ -97,13 +98,19 @@ def pack_rows(
     for row, (ids, positions, mask, _) in enumerate(packed):
         pad = width - ids.shape[1]
         ids_out[row, pad:], positions_out[row, pad:] = ids[0], positions[0]
-        own = mask[0, 0] == 0
+        own = mask[0, 0]
         allowed[row, 0, pad:, :past_len] = own[:, :past_len]
         allowed[row, 0, pad:, past_len + pad :] = own[:, past_len:]
         allowed[row, 0, torch.arange(pad), past_len + torch.arange(pad)] = True
-    mask_out = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     offsets = [o + width - packed[0][0].shape[1] for o in packed[0][3]]
-    return ids_out, positions_out, mask_out, offsets
+    return ids_out, positions_out, allowed, offsets
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form attention adds to its scores: 0 where allowed, the dtype's minimum elsewhere
+    (built where `allowed` lives, so on the GPU only a boolean mask crosses from the CPU)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _to_cpu(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -164,7 +171,7 @@ class BranchRunner:
             feed = prompt_ids[past:] if number == 0 else ()
             keep_cache = len(groups) > 1 or cache is not None
             chosen = [trees[i] for i in group]
-            packed = pack_inputs(feed, len(prompt_ids) - len(feed), chosen, self.dtype)
+            packed = pack_inputs(feed, len(prompt_ids) - len(feed), chosen)
             (scores,), cache = self._forward(packed, chosen, [norms[i] for i in group], cache, keep_cache)
             stats.forward_calls += 1
             stats.fed_tokens += len(feed) + sum(len(t.tokens) for t in chosen)
@@ -243,7 +250,7 @@ class BranchRunner:
             cache = copy.deepcopy(shared)
             if len(group) > 1:
                 cache.batch_repeat_interleave(len(group))
-        packed = pack_rows([prompts[i][past:] for i in group], past, trees, self.dtype)
+        packed = pack_rows([prompts[i][past:] for i in group], past, trees)
         try:
             scores, _ = self._forward(packed, trees, norms, cache, keep_cache=False)
         except torch.OutOfMemoryError:
@@ -302,7 +309,7 @@ class BranchRunner:
         keep_t = torch.tensor(keep, device=self.device)
         kwargs: dict[str, Any] = {
             "input_ids": ids.to(self.device),
-            "attention_mask": mask.to(self.device),
+            "attention_mask": additive_mask(mask.to(self.device), self.dtype),
             "position_ids": positions.to(self.device),
             "use_cache": keep_cache,
         }

@@ -119,16 +119,16 @@ def test_rows_are_left_padded_so_trees_share_offsets():
 
     chars = lambda s: [ord(c) for c in s]  # noqa: E731
     trees = [build_tree(chars, "{", ["a", "b"])]
-    ids, positions, mask, offsets = pack_rows([[7, 8, 9], [5]], 2, trees, torch.float32)
-    allowed = mask[:, 0] == 0
+    ids, positions, mask, offsets = pack_rows([[7, 8, 9], [5]], 2, trees)
+    allowed = mask[:, 0]
     assert ids.tolist() == [[7, 8, 9, ord("{")], [0, 0, 5, ord("{")]]
     assert positions.tolist() == [[2, 3, 4, 5], [2, 2, 2, 3]]
     assert offsets == [3]
     for row, prompt in enumerate([[7, 8, 9], [5]]):  # the real tokens see what pack_inputs says
-        _, _, own, _ = pack_inputs(prompt, 2, trees, torch.float32)
+        _, _, own, _ = pack_inputs(prompt, 2, trees)
         pad = 3 - len(prompt)
-        assert torch.equal(allowed[row, pad:, :2], own[0, 0, :, :2] == 0)
-        assert torch.equal(allowed[row, pad:, 2 + pad :], own[0, 0, :, 2:] == 0)
+        assert torch.equal(allowed[row, pad:, :2], own[0, 0, :, :2])
+        assert torch.equal(allowed[row, pad:, 2 + pad :], own[0, 0, :, 2:])
         assert not allowed[row, pad:, 2 : 2 + pad].any()  # nobody sees the padding
     assert allowed[1, 0].tolist() == [False, False, True, False, False, False]  # a pad sees itself
 

@@ -31,9 +31,9 @@ def test_a_bf16_model_passes_the_self_check_at_start_up(tiny_tokenizer, bf16_mod
 def test_the_self_check_fails_when_the_packed_path_is_broken(tiny_tokenizer, bf16_model, monkeypatch):
     real = packing_module.pack_rows
 
-    def leaky(prompts, past_len, trees, dtype):  # every token may see every other: a broken mask
-        ids, positions, mask, offsets = real(prompts, past_len, trees, dtype)
-        return ids, positions, torch.zeros_like(mask), offsets
+    def leaky(prompts, past_len, trees):  # every token may see every other: a broken mask
+        ids, positions, mask, offsets = real(prompts, past_len, trees)
+        return ids, positions, torch.ones_like(mask), offsets
 
     monkeypatch.setattr(packing_module, "pack_rows", leaky)
     with pytest.raises(PrecisionCheckError, match="self-check failed in bfloat16") as caught:
