@@ -48,8 +48,8 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, engine_for_model
-from minicpm_pcd_adapters.requests import structured_request
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, loaded_engine
+from minicpm_pcd_adapters.requests import sampling_for, structured_request
 from pcd_engine import Limits, PCDEngine, PCDError, PCDResult, Sampling, compile_schema
 from pcd_engine.output_types import output_type
 
@@ -112,12 +112,7 @@ class ChatMiniCPM(BaseChatModel):
 
     def load(self) -> PCDEngine:
         """The engine, loaded on first use (thread-safe)."""
-        with self._lock:
-            if self.engine is None:
-                self.engine = engine_for_model(
-                    self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
-                )
-            return self.engine
+        return loaded_engine(self)
 
     # -- plain chat and structured calls -------------------------------------------------------
 
@@ -190,13 +185,7 @@ class ChatMiniCPM(BaseChatModel):
         }
 
     def _sampling(self, kwargs: Mapping[str, Any]) -> Sampling:
-        return Sampling(
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            min_p=kwargs.get("min_p", self.min_p),
-            repetition_penalty=kwargs.get("repetition_penalty", self.repetition_penalty),
-            seed=kwargs.get("seed", self.seed),
-        )
+        return sampling_for(self, kwargs)
 
     def _structured(self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any]) -> AIMessage:
         request = _Request(kwargs[SCHEMA_KEY], kwargs.get("pcd_method", "json_schema"))

@@ -42,8 +42,8 @@ from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.settings import Settings
 from llama_index.core.types import BasePydanticProgram, Model
 
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, engine_for_model
-from minicpm_pcd_adapters.requests import structured_request
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, loaded_engine
+from minicpm_pcd_adapters.requests import sampling_for, structured_request
 from pcd_engine import Limits, PCDEngine, PCDResult, Sampling, compile_schema
 from pcd_engine.output_types import output_type
 
@@ -87,22 +87,10 @@ class MiniCPMLLM(CustomLLM):
 
     def load(self) -> PCDEngine:
         """The engine, loaded on first use (thread-safe)."""
-        with self._lock:
-            if self.engine is None:
-                self.engine = engine_for_model(
-                    self.model, revision=self.revision, gguf_file=self.gguf_file, **self.engine_kwargs
-                )
-            return self.engine
+        return loaded_engine(self)
 
     def sampling(self, **overrides: Any) -> Sampling:
-        values: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        values.update({k: v for k, v in overrides.items() if k in values or k == "seed"})
-        return Sampling(**values)
+        return sampling_for(self, overrides)
 
     # -- chat and completion -----------------------------------------------------------------
 

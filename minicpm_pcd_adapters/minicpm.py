@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,19 @@ def load_minicpm5(
     return PCDEngine.from_pretrained(
         source, revision=pinned, device=device, dtype=dtype or MINICPM5_2B.dtype, **options
     )
+
+
+def loaded_engine(adapter: Any) -> PCDEngine:
+    """An adapter's engine, loaded on first use (thread-safe). Both adapters (LangChain, LlamaIndex)
+    hold `engine`, `model`, `revision`, `gguf_file`, `engine_kwargs` and a `_lock`."""
+    lock: threading.Lock = adapter._lock
+    with lock:
+        if adapter.engine is None:
+            adapter.engine = engine_for_model(
+                adapter.model, revision=adapter.revision, gguf_file=adapter.gguf_file, **adapter.engine_kwargs
+            )
+        engine: PCDEngine = adapter.engine
+        return engine
 
 
 def engine_for_model(

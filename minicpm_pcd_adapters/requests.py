@@ -10,7 +10,22 @@ schema's field list, the rest becomes the text to answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pcd_engine import Sampling
+
+
+def sampling_for(adapter: Any, overrides: Mapping[str, Any]) -> Sampling:
+    """Decoding options: each `Sampling` field from the per-call `overrides`, else the adapter's
+    field of that name, else Sampling's default."""
+    return Sampling(
+        **{
+            f.name: overrides.get(f.name, getattr(adapter, f.name, f.default))
+            for f in dataclasses.fields(Sampling)
+        }
+    )
 
 
 def structured_request(messages: Sequence[tuple[str, str]]) -> tuple[str | None, str]:

@@ -409,7 +409,7 @@ class PCDEngine:
         stats = [w.stats for w in work]
         if not plan.trees:
             runs: list[list[torch.Tensor]] = [[] for _ in work]
-        elif len(work) == 1:
+        elif len(work) == 1:  # one call even without a prefix cache (run_batch computes the head apart)
             runs = [
                 self.runner.run(prompts[0], plan.trees, stats[0], self.prefix_cache, len(plan.head), norms)
             ]

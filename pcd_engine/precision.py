@@ -98,10 +98,8 @@ def self_check(
             got = token_logprobs(tree, logprobs.cpu())
             want = [separate_logprobs(runner.model, prompt, tree, c) for c in range(len(tree.paths))]
             worst = max(worst, *(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)))
-            sums = [float(t.sum()) for t in got], [float(t.sum()) for t in want]
-            agree &= max(range(len(got)), key=sums[0].__getitem__) == max(
-                range(len(want)), key=sums[1].__getitem__
-            )
+            best = [int(torch.stack([t.sum() for t in side]).argmax()) for side in (got, want)]
+            agree &= best[0] == best[1]  # the option rule's choice, packed and separate
             count += len(tree.paths)
     if not all(bool(torch.isfinite(t).all()) for row in packed for t in row):
         worst = float("inf")
