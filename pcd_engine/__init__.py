@@ -1,26 +1,35 @@
 """pcd_engine: typed classification with parallel constrained decoding (PCD).
 
-The core knows nothing of LangChain or LlamaIndex; adapters live in `minicpm_pcd_adapters`.
+The core knows nothing of LangChain or LlamaIndex; adapters live in `minicpm_pcd_adapters` and use
+only the names exported here: the engine, what its methods return or raise, and the schema helpers
+adapters need before any model work.
 """
 
+from pcd_engine.cache import PrefixCache
 from pcd_engine.engine import DEFAULT_RULE, PCDEngine
 from pcd_engine.errors import (
     InputError,
     ModelLoadError,
     PCDError,
+    PrecisionCheckError,
     SchemaLimitError,
     StructuredOutputError,
     UnsupportedSchemaError,
 )
 from pcd_engine.generate import Sampling
+from pcd_engine.output_types import OutputType, output_type, require_closed
+from pcd_engine.plan import SchemaPlan
+from pcd_engine.precision import SelfCheck
 from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
-from pcd_engine.scoring import CodeRule, GreedyRule, OptionRule, Rule
+from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 
 __all__ = [
     "DEFAULT_RULE",
+    "RULES",
     "CodeRule",
     "CompiledSchema",
+    "ContextualCalibration",
     "Diagnostics",
     "FieldResult",
     "Generation",
@@ -30,14 +39,21 @@ __all__ = [
     "Limits",
     "ModelLoadError",
     "OptionRule",
+    "OutputType",
     "PCDEngine",
     "PCDError",
     "PCDResult",
+    "PrecisionCheckError",
+    "PrefixCache",
     "Rule",
     "Sampling",
     "SchemaLimitError",
+    "SchemaPlan",
+    "SelfCheck",
     "StructuredOutputError",
     "UnsupportedSchemaError",
     "compile_schema",
+    "output_type",
+    "require_closed",
 ]
 __version__ = "0.1.0"

@@ -5,6 +5,11 @@ Every error says what was wrong, where (field path or input index) and what to d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pcd_engine.precision import SelfCheck
+
 
 class PCDError(Exception):
     """Root of all errors raised by pcd_engine."""
@@ -57,6 +62,19 @@ class StructuredOutputError(PCDError, ValueError):
         self.error = error
         self.attempts = attempts
         super().__init__(f"{message} (after {attempts} attempt(s)); raw output: {raw[:500]!r}")
+
+
+class PrecisionCheckError(PCDError, RuntimeError):
+    """The packed path disagrees with separate forward passes in the model's dtype (`check` is the
+    precision.SelfCheck report)."""
+
+    def __init__(self, check: SelfCheck) -> None:
+        self.check = check
+        super().__init__(
+            f"self-check failed in {check.dtype}: packed and separate forward passes differ by up to "
+            f"{check.max_abs_diff:.4g} nats (tolerance {check.tolerance:g}), decisions agree: "
+            f"{check.decisions_agree}. Load the model in float32, or pass self_check=False to accept it."
+        )
 
 
 class ModelLoadError(PCDError, OSError):

@@ -4,6 +4,7 @@ For one request: pin the scored values into the model's JSON schema (`json_schem
 it with xgrammar, write the forced JSON text (everything up to the first open value) after the prompt,
 and let constrained generation continue. The answer is parsed and validated by the Pydantic model; a
 validation error gets one retry with the error shown to the model, then `StructuredOutputError`.
+`fill` does this for many requests, in padded batches of `batch_size` rows.
 
 >>> filler.job(plan, prompt_ids, closed={("topic",): "billing"})  # doctest: +SKIP
 FillJob(prompt=[...], forced='{"topic": "billing", "summary": ', ...)
@@ -12,19 +13,23 @@ FillJob(prompt=[...], forced='{"topic": "billing", "summary": ', ...)
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from pcd_engine.decisions import scored_values
 from pcd_engine.errors import StructuredOutputError, UnsupportedSchemaError
-from pcd_engine.generate import Completion, Generator
+from pcd_engine.generate import Completion, Generator, Sampling
 from pcd_engine.json_schema import Keys, pinned_schema, token_budget
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
+from pcd_engine.request import Request, elapsed_ms
 from pcd_engine.results import FieldResult
 from pcd_engine.schema import Limits
+from pcd_engine.scorer import Scorer
 
 RETRY_TEXT = (
     "Your JSON answer was rejected by validation:\n{error}\n"
@@ -42,10 +47,88 @@ class FillJob:
 
 
 class JsonFiller:
-    def __init__(self, generator: Generator, prompt: ChatPrompt, limits: Limits) -> None:
+    """Generates the open fields of requests whose closed fields are decided; the prompt head's KV
+    comes from the scorer's prefix cache."""
+
+    def __init__(
+        self, generator: Generator, prompt: ChatPrompt, limits: Limits, scorer: Scorer, batch_size: int = 16
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"generation_batch_size must be >= 1, got {batch_size}")
         self.generator = generator
         self.prompt = prompt
         self.limits = limits
+        self.scorer = scorer
+        self.batch_size = batch_size
+
+    def fill(
+        self,
+        plan: SchemaPlan,
+        requests: Sequence[Request],
+        sampling: Sampling,
+        single: bool,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Generate the open fields of every request, in padded batches, with one retry each; a
+        `single` request starts from the cached head."""
+        jobs = [
+            self.job(plan, r.prompt.ids, plan.compiled.closed_values(scored_values(r.fields)))
+            for r in requests
+        ]
+        for start in range(0, len(requests), self.batch_size):
+            chunk = range(start, min(start + self.batch_size, len(requests)))
+            began = time.perf_counter()
+            kv = self._head_kv(plan, jobs[start].prompt, requests[start]) if single else None
+            completions = self.generator.run(
+                [jobs[i].prompt for i in chunk],
+                max_new_tokens=max(jobs[i].budget for i in chunk),
+                sampling=sampling,
+                matchers=[jobs[i].matcher for i in chunk],
+                cache=kv,
+            )
+            elapsed = elapsed_ms(began)
+            for i, completion in zip(chunk, completions, strict=True):
+                requests[i].timings["generate"] = elapsed
+                self._finish(plan, requests[i], jobs[i], completion, sampling)
+                if progress is not None:
+                    progress(1)
+
+    def _finish(
+        self, plan: SchemaPlan, request: Request, job: FillJob, completion: Completion, sampling: Sampling
+    ) -> None:
+        """Parse and validate one generated answer; after a validation error, retry once."""
+        for attempt in (1, 2):
+            request.attempts = attempt
+            request.generated_tokens += completion.steps
+            request.stats.forward_calls += completion.steps
+            try:
+                raw, outcome = self.parse(job, completion, plan.compiled.schema)
+            except StructuredOutputError as error:
+                error.attempts = attempt
+                request.error = error
+                return
+            if isinstance(outcome, BaseModel):
+                request.value = outcome
+                request.fields.update(generated_fields(plan, outcome))
+                return
+            if attempt == 2:
+                request.error = StructuredOutputError(
+                    "the generated object failed validation", raw, outcome, attempts=attempt
+                )
+                return
+            began = time.perf_counter()
+            job = self.job(plan, self.retry_prompt(plan, request.text, raw, outcome), job.closed)
+            (completion,) = self.generator.run(
+                [job.prompt],
+                max_new_tokens=job.budget,
+                sampling=sampling,
+                matchers=[job.matcher],
+                cache=self._head_kv(plan, job.prompt, request),
+            )
+            request.timings["retry"] = elapsed_ms(began)
+
+    def _head_kv(self, plan: SchemaPlan, ids: Sequence[int], request: Request) -> Any:
+        return self.scorer.generation_kv(ids, len(plan.head), request.stats)
 
     def check(self, plan: SchemaPlan) -> None:
         """Compile the unpinned schema once, so an unsupported schema fails before any model work."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,32 @@ def load_model_and_tokenizer(
     model.to(resolve_device(device))  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer
+
+
+def load_with_reference(
+    name_or_path: str | os.PathLike[str],
+    revision: str | None,
+    gguf_file: str | None,
+    device: str | torch.device,
+    dtype: str | torch.dtype | None,
+    fp32_reference: bool,
+    model_kwargs: Mapping[str, Any],
+) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, FP32 reference or None). With `fp32_reference` and a `dtype` below float32,
+    the weights are loaded in float32, kept as the reference, and copied into `dtype` for the work."""
+    wanted = resolve_dtype(dtype)
+    keep_fp32 = fp32_reference and wanted != torch.float32
+    model, tokenizer = load_model_and_tokenizer(
+        name_or_path,
+        revision=revision,
+        gguf_file=gguf_file,
+        device=device,
+        dtype=torch.float32 if keep_fp32 else wanted,
+        **model_kwargs,
+    )
+    if not keep_fp32:
+        return model, tokenizer, None
+    return copy.deepcopy(model).to(wanted), tokenizer, model
 
 
 def _load_hint(source: str, revision: str | None, path: Path, error: OSError) -> str:

@@ -32,6 +32,7 @@ from pydantic.fields import FieldInfo
 from typing_extensions import is_typeddict
 
 from pcd_engine.errors import UnsupportedSchemaError
+from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ def output_type(schema: Any) -> OutputType:
         schema,
         "the schema must be a pydantic.BaseModel subclass, a TypedDict or a JSON-schema dict",
     )
+
+
+def require_closed(schema: Any, limits: Limits | None = None) -> CompiledSchema:
+    """`schema` (any form `output_type` takes) compiled with closed fields only: an open field raises
+    UnsupportedSchemaError naming it, before any model work (what `allow_generation=False` promises)."""
+    return compile_schema(output_type(schema).model, limits or Limits(), allow_open=False)
 
 
 @functools.lru_cache(maxsize=256)

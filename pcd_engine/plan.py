@@ -2,12 +2,16 @@
 
 Built once per (schema, rule, instructions) and cached by the engine: the system text, the token ids
 of the shared prompt head, one token tree per decision and, for a model with open fields, its JSON
-schema. A request then only encodes its own text.
+schema. A request then only encodes its own text. What requests read on every call (the trees, which
+need a normaliser, how many tokens they feed) is computed once per plan.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from pcd_engine.branches import TokenTree, build_tree
@@ -34,23 +38,49 @@ class SchemaPlan:
     decisions: tuple[DecisionPlan, ...]
     json_schema: dict[str, Any] | None = None  # the model's JSON schema (capped), when it has open fields
 
-    @property
-    def scored_decisions(self) -> list[DecisionPlan]:
+    @cached_property
+    def scored_decisions(self) -> tuple[DecisionPlan, ...]:
         """The decisions that have a token tree (more than one allowed value), in tree order."""
-        return [d for d in self.decisions if d.tree is not None]
+        return tuple(d for d in self.decisions if d.tree is not None)
 
-    @property
-    def trees(self) -> list[TokenTree]:
-        return [d.tree for d in self.scored_decisions if d.tree is not None]
+    @cached_property
+    def trees(self) -> tuple[TokenTree, ...]:
+        return tuple(d.tree for d in self.scored_decisions if d.tree is not None)
 
-    @property
-    def normalized(self) -> list[bool]:
+    @cached_property
+    def normalized(self) -> tuple[bool, ...]:
         """Per tree, whether its rule needs log-probs normalised over the whole vocabulary."""
-        return [d.rule.needs_normalizer for d in self.scored_decisions]
+        return tuple(d.rule.needs_normalizer for d in self.scored_decisions)
 
-    @property
+    @cached_property
     def branch_tokens(self) -> int:
         return sum(len(t.tokens) for t in self.trees)
+
+
+class PlanCache:
+    """Plans built once per (schema, rule, instructions), safe under threads. `check` runs on every new
+    plan with open fields (their grammar must compile) before it is kept."""
+
+    def __init__(
+        self, prompt: ChatPrompt, limits: Limits, check: Callable[[SchemaPlan], None] | None = None
+    ) -> None:
+        self.prompt = prompt
+        self.limits = limits
+        self.check = check
+        self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
+        self._lock = threading.Lock()
+
+    def get(self, compiled: CompiledSchema, rule: Rule, instructions: str | None) -> SchemaPlan:
+        key = (compiled.schema, rule, instructions)
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(compiled, self.prompt, rule, instructions, self.limits)
+            if plan.json_schema is not None and self.check is not None:
+                self.check(plan)
+            with self._lock:
+                plan = self._plans.setdefault(key, plan)
+        return plan
 
 
 def build_plan(

@@ -9,17 +9,20 @@ sums are rounded in a different order, so the tolerance follows the format's pre
 on the probe: 0.23 nats in bf16, 0.029 in fp16). A broken mask or cache path is off by whole
 nats, or gives NaN.
 
-`FP32Rescorer` keeps an FP32 copy of the weights. A scored field whose margin (chosen probability
-minus the runner-up's) is below `margin` is scored again on that copy, and its result replaces the
-low-precision one, so that close calls are decided as FP32 decides them.
+`FP32Rescorer` keeps an FP32 copy of the weights with its own scorer (runner, prefix cache, priors).
+`rescore` scores again on that copy every field of a request whose margin (chosen probability minus
+the runner-up's) is below `margin`, and its result replaces the low-precision one, so that close calls
+are decided as FP32 decides them. Its counters (`checked_fields`, `rescored_fields`) are written here.
 
->>> engine = PCDEngine.from_pretrained(path, dtype="bfloat16", rescore_margin=0.2)  # doctest: +SKIP
->>> engine.self_check.passed, engine.self_check.max_abs_diff  # doctest: +SKIP
+>>> engine = PCDEngine.from_pretrained(path, dtype="bfloat16", fp32_rescore=True)  # doctest: +SKIP
+>>> engine.precision_check.passed, engine.precision_check.max_abs_diff  # doctest: +SKIP
 (True, 0.031)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,8 +32,12 @@ from pydantic import BaseModel
 
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import PrefixCache
-from pcd_engine.errors import PCDError
-from pcd_engine.packing import BranchRunner, PassStats
+from pcd_engine.decisions import decide_field
+from pcd_engine.plan import SchemaPlan
+from pcd_engine.prompt import ChatPrompt
+from pcd_engine.request import Request, elapsed_ms
+from pcd_engine.runner import BranchRunner, PassStats
+from pcd_engine.scorer import Scorer
 from pcd_engine.scoring import token_logprobs
 
 # max |packed - separate| per token log-prob (nats) that a sound packed path stays within
@@ -62,18 +69,6 @@ class SelfCheck:
         return self.decisions_agree and self.max_abs_diff <= self.tolerance
 
 
-class PrecisionCheckError(PCDError, RuntimeError):
-    """The packed path disagrees with separate forward passes in the model's dtype."""
-
-    def __init__(self, check: SelfCheck) -> None:
-        self.check = check
-        super().__init__(
-            f"self-check failed in {check.dtype}: packed and separate forward passes differ by up to "
-            f"{check.max_abs_diff:.4g} nats (tolerance {check.tolerance:g}), decisions agree: "
-            f"{check.decisions_agree}. Load the model in float32, or pass self_check=False to accept it."
-        )
-
-
 def separate_logprobs(model: Any, prompt: Sequence[int], tree: TokenTree, candidate: int) -> torch.Tensor:
     """A candidate's continuation token log-probs from one ordinary forward pass (no cache, no mask)."""
     continuation = list(tree.continuation(candidate))
@@ -86,17 +81,19 @@ def separate_logprobs(model: Any, prompt: Sequence[int], tree: TokenTree, candid
     return torch.log_softmax(rows, dim=-1)[torch.arange(len(continuation)), torch.tensor(continuation)].cpu()
 
 
-def self_check(
-    runner: BranchRunner, prompts: Sequence[Sequence[int]], head: int, trees: Sequence[TokenTree]
-) -> SelfCheck:
-    """Packed (shared cached head, padded rows) against separate passes for the given probe prompts."""
+def self_check(runner: BranchRunner, prompt: ChatPrompt, plan: SchemaPlan) -> SelfCheck:
+    """ProbeTicket's trees (`plan`, under the option rule) after the probe texts, through the packed
+    path (a shared cached head, padded rows) and through separate passes, in the runner's dtype."""
+    probe = dataclasses.replace(plan, head=tuple(prompt.encode_text(PROBE_HEAD)))
+    prompts = [[*probe.head, *prompt.encode_text(text)] for text in PROBE_TEXTS]
+    trees = probe.trees
     stats = [PassStats() for _ in prompts]
-    packed = runner.run_batch(prompts, trees, stats, PrefixCache(), head)
+    packed = Scorer(runner, PrefixCache(), prompt).score(probe, prompts, stats)
     worst, agree, count = 0.0, True, 0
-    for prompt, per_tree in zip(prompts, packed, strict=True):
+    for ids, per_tree in zip(prompts, packed, strict=True):
         for tree, logprobs in zip(trees, per_tree, strict=True):
             got = token_logprobs(tree, logprobs.cpu())
-            want = [separate_logprobs(runner.model, prompt, tree, c) for c in range(len(tree.paths))]
+            want = [separate_logprobs(runner.model, ids, tree, c) for c in range(len(tree.paths))]
             worst = max(worst, *(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)))
             best = [int(torch.stack([t.sum() for t in side]).argmax()) for side in (got, want)]
             agree &= best[0] == best[1]  # the option rule's choice, packed and separate
@@ -110,16 +107,40 @@ def self_check(
 class FP32Rescorer:
     """Scores close calls again on an FP32 copy of the weights (its own runner and prefix cache)."""
 
-    def __init__(self, model: Any, margin: float, max_tokens_per_forward: int, cache: bool) -> None:
+    def __init__(
+        self, model: Any, margin: float, max_tokens_per_forward: int, cache: bool, prompt: ChatPrompt
+    ) -> None:
         if not 0.0 < margin <= 1.0:
             raise ValueError(f"rescore_margin must be in (0, 1], got {margin}")
         if next(model.parameters()).dtype != torch.float32:
             raise ValueError("the re-scoring model must hold float32 weights")
         self.runner = BranchRunner(model, max_tokens_per_forward)
-        self.prefix_cache = PrefixCache() if cache else None
+        self.scorer = Scorer(self.runner, PrefixCache() if cache else None, prompt)
         self.margin = margin
         self.rescored_fields = 0
         self.checked_fields = 0
 
     def needs(self, margin: float | None) -> bool:
         return margin is not None and margin < self.margin
+
+    def rescore(self, plan: SchemaPlan, request: Request) -> None:
+        """Score again in FP32 every decision of the request whose margin is below the threshold."""
+        began = time.perf_counter()
+        scored = plan.scored_decisions
+        low = [k for k, dp in enumerate(scored) if self.needs(request.fields[dp.decision.path].margin)]
+        self.checked_fields += len(scored)
+        if not low:
+            return
+        stats = PassStats()
+        (logprobs,) = self.scorer.score(plan, [request.prompt.ids], [stats], only=low)
+        priors = None
+        if any(scored[k].rule.corrects_prior for k in low):
+            priors = self.scorer.priors(plan, stats)
+        for k, lp in zip(low, logprobs, strict=True):
+            dp = scored[k]
+            result = decide_field(dp, lp, priors[k] if priors is not None else None, dp.rule)
+            request.fields[dp.decision.path] = dataclasses.replace(result, rescored=True)
+        self.rescored_fields += len(low)
+        request.rescored += len(low)
+        request.stats.forward_calls += stats.forward_calls
+        request.timings["rescore"] = elapsed_ms(began)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
-import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.helpers import smollm2_model, tiny_llama
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -51,52 +51,9 @@ def tiny_tokenizer():
     return tokenizer
 
 
-def tiny_llama(vocab_size: int, attn: str = "sdpa", seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # random init is near-uniform; sharpen it so scores differ clearly
-        model.lm_head.weight.mul_(20.0)
-    return model
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tiny_tokenizer):
     return tiny_llama(len(tiny_tokenizer))
-
-
-@functools.cache
-def smollm2_model():
-    """(model, tokenizer) of the offline SmolLM2-135M-Instruct GGUF, FP32 on CPU (loaded once)."""
-    from minicpm_pcd_adapters import smollm2_gguf_path
-    from pcd_engine.loading import load_model_and_tokenizer
-
-    try:
-        path = smollm2_gguf_path()
-    except Exception as error:  # the package is installed by the README's test command
-        pytest.fail(f"SmolLM2 is required for the slow tests: {error}")
-    return load_model_and_tokenizer(path, device="cpu")
-
-
-@functools.cache
-def smollm2_engine():
-    """A PCDEngine on SmolLM2 shared by the adapter tests; free text capped (SmolLM2 loops when greedy)."""
-    from pcd_engine import Limits, PCDEngine
-
-    model, tokenizer = smollm2_model()
-    return PCDEngine(model, tokenizer, limits=Limits(max_string_length=48))
 
 
 @pytest.fixture(scope="session")

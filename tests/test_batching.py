@@ -7,43 +7,10 @@ import pytest
 import torch
 
 from pcd_engine import PCDEngine
-from pcd_engine.packing import PassStats, pack_inputs, pack_rows
+from pcd_engine.packing import pack_inputs, pack_rows
+from pcd_engine.runner import PassStats
 from pcd_engine.scoring import GreedyRule
-from tests.test_packing import TEXT, Wide
-
-TEXTS = [
-    "refund me",
-    TEXT,
-    "Where is my parcel? It was due on Monday.",
-    "x",
-    "The app crashes when I log in. " * 3,
-    "How do I change my password?",
-    "charged twice",
-]
-
-
-class ForwardCounter:
-    """Counts a module's forward calls and the batch size of each (hook the decoder: the runner
-    calls it directly when it projects only the scored positions itself)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.rows: list[int] = []
-        self.handle = module.register_forward_pre_hook(self._seen, with_kwargs=True)
-
-    def _seen(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self.rows.append(int(ids.shape[0]))
-
-    def close(self) -> None:
-        self.handle.remove()
-
-
-def assert_same_scores(got, want, tol=1e-4):
-    for result, reference in zip(got, want, strict=True):
-        assert result.value == reference.value
-        for path, field in reference.fields.items():
-            for value, score in field.log_scores.items():
-                assert result.fields[path].log_scores[value] == pytest.approx(score, abs=tol)
+from tests.helpers import TEXT, TEXTS, ForwardCounter, Wide, assert_same_scores
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -136,7 +103,7 @@ def test_rows_are_left_padded_so_trees_share_offsets():
 def test_rules_without_a_normaliser_compute_only_the_scored_lm_head_rows(tiny_tokenizer, tiny_model):
     engine = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy")
     plan = engine.plan(Wide)
-    assert plan.normalized == [False] * len(plan.trees)
+    assert plan.normalized == (False,) * len(plan.trees)
     engine.classify("warm up", Wide)
     calls = ForwardCounter(tiny_model.lm_head)
     try:
@@ -181,14 +148,14 @@ def test_diagnostics_say_whether_the_prefix_cache_served_the_head(tiny_tokenizer
 def test_models_whose_logits_are_not_the_plain_lm_head_use_the_full_forward(tiny_tokenizer, tiny_model, rule):
     split = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
     whole = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
-    whole.runner._head_splits = False  # as if the model scaled or soft-capped its logits
+    whole.runner.projection.head_splits = False  # as if the model scaled or soft-capped its logits
     counter = ForwardCounter(tiny_model)
     try:
         want = whole.classify_batch(TEXTS, Wide)
     finally:
         counter.close()
     assert counter.rows  # the whole model's forward ran
-    assert split.runner._splits_head()
+    assert split.runner.projection.head_splits
     assert_same_scores(split.classify_batch(TEXTS, Wide), want)
 
 

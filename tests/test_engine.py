@@ -160,9 +160,9 @@ def test_bad_options_are_rejected_up_front(tiny_model, tiny_tokenizer):
 
 
 def test_contextual_calibration_removes_the_content_free_prior(tiny_model, tiny_tokenizer, monkeypatch):
-    import pcd_engine.engine as engine_module
+    import pcd_engine.scorer as scorer_module
 
-    monkeypatch.setattr(engine_module, "CONTENT_FREE_TEXTS", ("N/A",))
+    monkeypatch.setattr(scorer_module, "CONTENT_FREE_TEXTS", ("N/A",))
     engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc")
     neutral = engine.classify("N/A", Ticket)
     for path in ("topic", "urgent", "priority"):

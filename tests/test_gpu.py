@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from pcd_engine import PCDEngine
-from tests.equivalence import packed_and_separate
-from tests.test_batching import TEXTS, assert_same_scores
-from tests.test_packing import TEXT, Wide
+from tests.helpers import TEXT, TEXTS, Wide, assert_same_scores, packed_and_separate
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM
 from pcd_engine import ModelLoadError, UnsupportedSchemaError
-from tests.conftest import smollm2_engine
+from tests.helpers import smollm2_engine
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from minicpm_pcd_adapters import MiniCPMLLM, MiniCPMPCDProgram
 from pcd_engine import UnsupportedSchemaError
-from tests.conftest import smollm2_engine
+from tests.helpers import smollm2_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from ticket import Ticket, TriagedTicket

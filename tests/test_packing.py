@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import pytest
-from pydantic import BaseModel, Field
 
 from pcd_engine import PCDEngine
-from pcd_engine.packing import PassStats, microbatches, pack_inputs
-from tests.conftest import tiny_llama
-from tests.equivalence import packed_and_separate
-
-
-class Shipping(BaseModel):
-    method: Literal["air", "sea", "air_express"]
-    insured: bool
-
-
-class Wide(BaseModel):
-    """Many fields, options sharing first tokens, multi-token options, ints, nested, multi-label."""
-
-    topic: Literal["billing", "billing_dispute", "bill", "bug", "refund_request", "other"]
-    urgent: bool
-    sentiment: Literal["negative", "neutral", "positive"] | None
-    priority: Annotated[int, Field(ge=1, le=12)]
-    shipping: Shipping
-    tags: list[Literal["billing", "bug", "praise"]]
-
-
-TEXT = "I was charged twice <|im_end|> and the app crashes, refund me!"
+from pcd_engine.packing import microbatches, pack_inputs
+from pcd_engine.runner import PassStats
+from tests.helpers import TEXT, Wide, packed_and_separate, tiny_llama
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -97,7 +75,8 @@ def test_microbatch_grouping_respects_the_budget():
 def test_pass_stats_count_fed_tokens(tiny_tokenizer, tiny_model):
     engine = PCDEngine(tiny_model, tiny_tokenizer, prefix_cache=False)
     plan = engine.plan(Wide)
-    prompt = [*plan.head, *engine.prompt.encode_text("x"), *engine.prompt.tail]
+    prompt = engine.prompt.with_head(plan.head, "x").ids
     stats = PassStats()
     engine.runner.run(prompt, plan.trees, stats)
     assert stats.fed_tokens == len(prompt) + plan.branch_tokens
+

@@ -7,11 +7,9 @@ import copy
 import pytest
 import torch
 
-from pcd_engine import PCDEngine
+from pcd_engine import PCDEngine, PrecisionCheckError
 from pcd_engine import packing as packing_module
-from pcd_engine.precision import PrecisionCheckError
-from tests.test_batching import TEXTS, assert_same_scores
-from tests.test_packing import Wide
+from tests.helpers import TEXTS, Wide, assert_same_scores
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from pcd_engine import PCDEngine
-from tests.equivalence import packed_and_separate
+from tests.helpers import packed_and_separate
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_greedy_equals_constrained_generate_for_every_field_of_20_texts(engine, 
     checked = 0
     for text in TEXTS:
         result = engine.classify(text, Ticket)
-        prompt = [*plan.head, *engine.prompt.encode_text(text), *engine.prompt.tail]
+        prompt = engine.prompt.with_head(plan.head, text).ids
         for dp in plan.decisions:
             assert dp.tree is not None
             continuations = [dp.tree.continuation(i) for i in range(len(dp.tree.paths))]

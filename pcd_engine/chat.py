@@ -1,0 +1,117 @@
+"""Plain chat generation: messages as (role, content) pairs, checked options, stop ids, answers.
+
+`chat_call` checks everything a `generate` / `stream` call was given and renders its prompt, so that a
+bad call fails with InputError before any model work; the `ChatCall` then runs on the generator,
+whole (`Generation`) or streamed (`GenerationChunk`s, stop strings held back until they cannot start).
+
+>>> message_pairs([{"role": "user", "content": "Hi"}, ("assistant", "Hello")])
+[('user', 'Hi'), ('assistant', 'Hello')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pcd_engine.errors import InputError
+from pcd_engine.generate import Completion, Generator, Sampling, StopStrings
+from pcd_engine.prompt import ChatPrompt
+from pcd_engine.results import Generation, GenerationChunk
+from pcd_engine.schema import Limits
+
+Message = Mapping[str, Any] | tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    ids: list[int]  # the rendered conversation, ending with the assistant start
+    max_tokens: int
+    sampling: Sampling
+    stops: StopStrings  # per call: it buffers streamed text
+
+    def generate(self, generator: Generator) -> Generation:
+        (completion,) = generator.run(
+            [self.ids], max_new_tokens=self.max_tokens, sampling=self.sampling, stop_strings=self.stops.stops
+        )
+        text = self.stops.cut(generator.tokenizer.decode(completion.ids, skip_special_tokens=True))
+        return Generation(text, completion.finish_reason, len(self.ids), len(completion.ids))
+
+    def stream(self, generator: Generator) -> Iterator[GenerationChunk]:
+        """Text pieces as tokens are decoded; the last chunk has the finish reason and token counts."""
+        done: Completion | None = None
+        pieces = generator.stream(
+            self.ids, max_new_tokens=self.max_tokens, sampling=self.sampling, stop_strings=self.stops.stops
+        )
+        for piece in pieces:
+            if isinstance(piece, Completion):
+                done = piece
+            elif text := self.stops.feed(piece):
+                yield GenerationChunk(text)
+        if rest := self.stops.flush():
+            yield GenerationChunk(rest)
+        assert done is not None
+        yield GenerationChunk("", done.finish_reason, len(self.ids), len(done.ids))
+
+
+def chat_call(
+    prompt: ChatPrompt,
+    limits: Limits,
+    messages: Sequence[Message],
+    max_tokens: int,
+    stop: Sequence[str] | str | None,
+    sampling: Sampling,
+    options: Mapping[str, Any],
+) -> ChatCall:
+    """The checked inputs of one chat call; `options` override fields of `sampling`."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if not all(isinstance(s, str) for s in stops):
+        raise InputError(f"stop must be a list of strings, got {stop!r}")
+    try:
+        chosen = Sampling(**{**vars(sampling), **options})
+    except TypeError as error:
+        raise InputError(f"unknown sampling option: {error}") from error
+    pairs = message_pairs(messages)
+    try:
+        ids = prompt.render_messages(pairs)
+    except Exception as error:  # jinja2 TemplateError: roles the template rejects, bad order
+        raise InputError(f"the chat template rejected the messages: {error}") from error
+    if len(ids) > limits.max_prompt_tokens:
+        raise InputError(
+            f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens} "
+            "(Limits.max_prompt_tokens)"
+        )
+    return ChatCall(ids, max_tokens, chosen, StopStrings(stops))
+
+
+def message_pairs(messages: Any) -> list[tuple[str, str]]:
+    """(role, content) pairs from dicts or pairs; InputError naming the first bad message."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} items")
+    out = []
+    for index, message in enumerate(messages):
+        if isinstance(message, Mapping):
+            role, content = message.get("role"), message.get("content")
+        elif isinstance(message, tuple) and len(message) == 2:
+            role, content = message
+        else:
+            raise InputError(f"message #{index} must be a dict with 'role' and 'content' or a pair")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InputError(f"message #{index}: role and content must be strings")
+        out.append((role, content))
+    return out
+
+
+def stop_ids(model: Any, tokenizer: Any, prompt: ChatPrompt) -> list[int]:
+    """The model's eos ids, the tokenizer's eos id and the template's end-of-turn token."""
+    ids: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(int(v) for v in value)
+    ids.extend(prompt.end_of_turn_ids)
+    return list(dict.fromkeys(ids))

@@ -1,0 +1,129 @@
+"""One structured request on its way through the engine: rendered prompt, counters, fields, outcome.
+
+`Request.render` checks an input and renders its prompt (InputError before any model work); the
+pipeline's phases then fill in the request's fields, value or error, and `result()` turns it into the
+`PCDResult` (or the error) the caller gets. Per-call options travel as `RequestOptions`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from pcd_engine.decisions import closed_value
+from pcd_engine.errors import InputError, PCDError, StructuredOutputError
+from pcd_engine.plan import SchemaPlan
+from pcd_engine.prompt import ChatPrompt, PromptIds
+from pcd_engine.results import Diagnostics, FieldResult, PCDResult
+from pcd_engine.runner import PassStats
+from pcd_engine.schema import Limits
+from pcd_engine.scoring import Rule
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a `classify` call may set for itself (None: the engine's default)."""
+
+    instructions: str | None = None
+    rule: str | Rule | None = None
+    allow_generation: bool | None = None
+    sampling: Any = None  # generate.Sampling
+
+
+@dataclass
+class Request:
+    text: str
+    prompt: PromptIds
+    started: float
+    branch_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+    stats: PassStats = field(default_factory=PassStats)
+    fields: dict[str, FieldResult] = field(default_factory=dict)
+    value: BaseModel | None = None
+    error: PCDError | None = None
+    generated_tokens: int = 0
+    attempts: int = 0
+    rescored: int = 0
+
+    @classmethod
+    def render(
+        cls, prompt: ChatPrompt, plan: SchemaPlan, text: Any, limits: Limits, index: int | None = None
+    ) -> Request:
+        """The request for input `text` (number `index` of a batch); InputError if it cannot be one."""
+        started = time.perf_counter()
+        where = "text" if index is None else f"text #{index}"
+        if not isinstance(text, str):
+            raise InputError(f"{where} must be a str, got {type(text).__name__}")
+        ids = prompt.with_head(plan.head, text)
+        if len(ids) > limits.max_prompt_tokens:
+            raise InputError(
+                f"{where}: the prompt is {len(ids)} tokens, over the limit of "
+                f"{limits.max_prompt_tokens} (Limits.max_prompt_tokens); shorten the text"
+            )
+        return cls(text, ids, started, plan.branch_tokens, {"render": elapsed_ms(started)})
+
+    def validate_closed(self, plan: SchemaPlan) -> None:
+        """The answer made of the scored fields alone (a model without open fields)."""
+        try:
+            self.value = closed_value(plan, self.fields)
+        except StructuredOutputError as error:
+            self.error = error
+
+    def result(self, to_output: Callable[[BaseModel], Any]) -> PCDResult[Any] | PCDError:
+        if self.error is not None:
+            return self.error
+        assert self.value is not None
+        self.timings["total"] = elapsed_ms(self.started)
+        diagnostics = Diagnostics(
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.stats.reused_tokens,
+            branch_tokens=self.branch_tokens,
+            forward_calls=self.stats.forward_calls,
+            timings_ms=dict(self.timings),
+            generated_tokens=self.generated_tokens,
+            attempts=self.attempts,
+            prefix_cache_hit=self.stats.cache_hit,
+            rescored_fields=self.rescored,
+        )
+        return PCDResult(to_output(self.value), self.fields, diagnostics)
+
+
+def render_all(
+    prompt: ChatPrompt,
+    plan: SchemaPlan,
+    texts: Sequence[Any],
+    limits: Limits,
+    single: bool,
+    return_exceptions: bool,
+) -> list[Request | PCDError]:
+    """A request per input, or (with `return_exceptions`) the error that input raised in its place."""
+    items: list[Request | PCDError] = []
+    for index, text in enumerate(texts):
+        try:
+            items.append(Request.render(prompt, plan, text, limits, None if single else index))
+        except PCDError as error:
+            if not return_exceptions:
+                raise
+            items.append(error)
+    return items
+
+
+def results(
+    items: Sequence[Request | PCDError], to_output: Callable[[BaseModel], Any], return_exceptions: bool
+) -> list[PCDResult[Any] | PCDError]:
+    """One result or error per input, in order; without `return_exceptions` the first error raises."""
+    out: list[PCDResult[Any] | PCDError] = []
+    for item in items:
+        outcome = item if isinstance(item, PCDError) else item.result(to_output)
+        if isinstance(outcome, PCDError) and not return_exceptions:
+            raise outcome
+        out.append(outcome)
+    return out
+
+
+def elapsed_ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1e3

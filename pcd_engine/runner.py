@@ -1,0 +1,199 @@
+"""BranchRunner: runs packed branch passes on one Hugging Face causal LM.
+
+`run` answers one prompt: its trees go after the prompt in one forward call or, past the token budget
+`max_tokens_per_forward`, in microbatches (the first call also computes the prompt and keeps its KV;
+later calls run on that KV, cropped back to the prompt after each). `run_rows` answers many prompts
+that share a computed head: padded rows on that head, grouped so that rows x width fits the budget;
+when CUDA runs out of memory, a group is halved and retried.
+
+Where the head's KV comes from (the prefix cache, or computed now) is the caller's choice
+(`scorer.py`); the layout of a call is `packing.py`'s, the LM head `projection.py`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pcd_engine import packing
+from pcd_engine.branches import TokenTree
+from pcd_engine.cache import frozen_view
+from pcd_engine.projection import LMHeadProjection
+
+
+@dataclass
+class PassStats:
+    """One request's counters: forward calls and tokens fed on its behalf, prefix-cache reuse."""
+
+    forward_calls: int = 0
+    fed_tokens: int = 0
+    reused_tokens: int = 0
+    cache_hit: bool | None = None  # None: no prefix cache used
+
+
+class BranchRunner:
+    """Per tree, a float32 tensor (len(tree.scored), len(tree.vocab)): log-probs normalised over the
+    whole vocabulary, or, for a tree marked `normalized=False`, plain logits of its tokens only.
+
+    Every method takes `kv`, the KV of the first `past` prompt tokens (None and 0: nothing computed
+    yet); a `kv` given is only read, never changed.
+    """
+
+    def __init__(self, model: Any, max_tokens_per_forward: int | None = None) -> None:
+        if max_tokens_per_forward is None:  # a GPU runs many more tokens per call at the same cost
+            on_gpu = next(model.parameters()).device.type == "cuda"
+            max_tokens_per_forward = 32768 if on_gpu else 2048
+        if max_tokens_per_forward < 1:
+            raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
+        self.max_tokens_per_forward = max_tokens_per_forward
+        self.projection = LMHeadProjection(model, can_slice_logits="logits_to_keep" in params)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def fits(self, own_tokens: int, trees: Sequence[TokenTree]) -> bool:
+        """Whether a row of `own_tokens` prompt tokens and the trees fits one forward call."""
+        return own_tokens + sum(len(t.tokens) for t in trees) <= self.max_tokens_per_forward
+
+    @torch.inference_mode()
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        trees: Sequence[TokenTree],
+        stats: PassStats,
+        kv: Any = None,
+        past: int = 0,
+        normalized: Sequence[bool] | None = None,
+    ) -> list[torch.Tensor]:
+        """For each tree, its scored columns (see the class) after one prompt."""
+        normalized = list(normalized) if normalized is not None else [True] * len(trees)
+        budget = self.max_tokens_per_forward
+        groups = packing.microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
+        out: list[torch.Tensor] = []
+        if len(groups) == 1 and kv is not None:  # nothing of this call is needed afterwards
+            kv = frozen_view(kv) or kv
+        for number, group in enumerate(groups):
+            feed = prompt_ids[past:] if number == 0 else ()
+            keep_kv = len(groups) > 1 or kv is not None
+            chosen = [trees[i] for i in group]
+            packed = packing.pack_inputs(feed, len(prompt_ids) - len(feed), chosen)
+            (scores,), kv = self._forward(packed, chosen, [normalized[i] for i in group], kv, keep_kv)
+            stats.forward_calls += 1
+            stats.fed_tokens += len(feed) + sum(len(t.tokens) for t in chosen)
+            out.extend(scores)
+            if kv is not None and len(groups) > 1:  # drop this group's tree tokens, keep the prompt
+                kv.crop(-(kv.get_seq_length() - len(prompt_ids)))
+        return out
+
+    @torch.inference_mode()
+    def run_rows(
+        self,
+        prompts: Sequence[Sequence[int]],
+        trees: Sequence[TokenTree],
+        stats: Sequence[PassStats],
+        kv: Any,
+        past: int,
+        normalized: Sequence[bool],
+    ) -> list[list[torch.Tensor]]:
+        """`run` for prompts that share their first `past` tokens (whose KV is `kv`) and each `fits`,
+        several per forward call: rows sorted by width, grouped within the token budget."""
+        width = [len(p) - past + sum(len(t.tokens) for t in trees) for p in prompts]
+        groups: list[list[int]] = [[]]
+        for i in sorted(range(len(prompts)), key=width.__getitem__):  # the newcomer is the widest
+            if groups[-1] and (len(groups[-1]) + 1) * width[i] > self.max_tokens_per_forward:
+                groups.append([])
+            groups[-1].append(i)
+        out: dict[int, list[torch.Tensor]] = {}
+        for group in groups:
+            out.update(self._rows(prompts, group, trees, normalized, kv, past, stats))
+        return [out[i] for i in range(len(prompts))]
+
+    def _rows(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group: Sequence[int],
+        trees: Sequence[TokenTree],
+        normalized: Sequence[bool],
+        shared: Any,
+        past: int,
+        stats: Sequence[PassStats],
+    ) -> dict[int, list[torch.Tensor]]:
+        """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many."""
+        kv = frozen_view(shared, len(group))
+        if kv is None:  # not a DynamicCache: a real copy, repeated per row
+            kv = copy.deepcopy(shared)
+            if len(group) > 1:
+                kv.batch_repeat_interleave(len(group))
+        packed = packing.pack_rows([prompts[i][past:] for i in group], past, trees)
+        try:
+            scores, _ = self._forward(packed, trees, normalized, kv, keep_kv=False)
+        except torch.OutOfMemoryError:
+            if len(group) == 1:
+                raise
+            del kv
+            torch.cuda.empty_cache()
+            half = len(group) // 2
+            return {
+                **self._rows(prompts, group[:half], trees, normalized, shared, past, stats),
+                **self._rows(prompts, group[half:], trees, normalized, shared, past, stats),
+            }
+        tree_tokens = sum(len(t.tokens) for t in trees)
+        for i in group:
+            stats[i].forward_calls += 1
+            stats[i].fed_tokens += len(prompts[i]) - past + tree_tokens
+        return dict(zip(group, scores, strict=True))
+
+    @torch.inference_mode()
+    def prefill_head(self, head: Sequence[int], stats: PassStats) -> Any:
+        """The KV of `head` alone (to store in a prefix cache, or to share across rows)."""
+        ids = torch.tensor([list(head)], device=self.device)
+        output = self.model(input_ids=ids, use_cache=True, **self._last_logits_only())
+        stats.forward_calls += 1
+        stats.fed_tokens += len(head)
+        return output["cache" if "cache" in output else "past_key_values"]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """A bare forward pass over the prompt (the latency floor); returns the last logits."""
+        ids = torch.tensor([list(prompt_ids)], device=self.device)
+        return self.model(input_ids=ids, use_cache=False, **self._last_logits_only()).logits[0, -1]
+
+    def _last_logits_only(self) -> dict[str, Any]:
+        return {"logits_to_keep": 1} if self.projection.can_slice_logits else {}
+
+    def _forward(
+        self,
+        packed: packing.PackedInputs,
+        trees: Sequence[TokenTree],
+        normalized: Sequence[bool],
+        kv: Any,
+        keep_kv: bool,
+    ) -> tuple[list[list[torch.Tensor]], Any]:
+        """Per row, per tree, the scored columns; and the grown KV when `keep_kv`."""
+        ids, positions, allowed, offsets = packed
+        keep = [offset + i for tree, offset in zip(trees, offsets, strict=True) for i in tree.scored]
+        inputs: dict[str, Any] = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": packing.additive_mask(allowed.to(self.device), self.dtype),
+            "position_ids": positions.to(self.device),
+            "use_cache": keep_kv,
+        }
+        if kv is not None:
+            inputs[self.cache_kw] = kv
+        keep_t = torch.tensor(keep, device=self.device)
+        per_tree, output = self.projection.forward(inputs, keep_t, trees, normalized)
+        grown = output["cache" if "cache" in output else "past_key_values"] if keep_kv else None
+        return [[scores[row] for scores in per_tree] for row in range(ids.shape[0])], grown

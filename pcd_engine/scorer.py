@@ -1,0 +1,135 @@
+"""Scorer: a plan's token trees scored after one or many prompts, the schema's head computed once.
+
+It owns what scoring reuses across requests on one model: the runner, the prefix cache (the KV of each
+schema's prompt head) and the content-free priors. A single prompt reuses the longest cached prefix
+and, on a miss, computes the head alone and stores it. A batch fetches (or computes) the head once and
+runs padded rows on it; a request too long for the token budget runs alone, in microbatches.
+
+The priors are the log of the mean probability the trees get for content-free texts ("N/A", "",
+"[MASK]"; Zhao et al. 2021), computed once per plan and cached; `decisions.py` subtracts them.
+
+>>> scorer = Scorer(BranchRunner(model), PrefixCache(), ChatPrompt(tokenizer))  # doctest: +SKIP
+>>> per_prompt = scorer.score(plan, [prompt.ids], [PassStats()])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pcd_engine.branches import TokenTree
+from pcd_engine.cache import PrefixCache
+from pcd_engine.plan import SchemaPlan
+from pcd_engine.prompt import ChatPrompt
+from pcd_engine.runner import BranchRunner, PassStats
+
+CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
+
+
+class Scorer:
+    def __init__(self, runner: BranchRunner, prefix_cache: PrefixCache | None, prompt: ChatPrompt) -> None:
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.prompt = prompt
+        self._priors: dict[tuple[int, tuple[bool, ...]], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def score(
+        self,
+        plan: SchemaPlan,
+        prompts: Sequence[Sequence[int]],
+        stats: Sequence[PassStats],
+        *,
+        only: Sequence[int] | None = None,
+        normalized: Sequence[bool] | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """Per prompt, per tree of the plan (or the trees numbered `only`), the runner's scored
+        columns. Every prompt starts with the plan's head; `normalized` overrides the plan's."""
+        picked = range(len(plan.trees)) if only is None else only
+        trees = [plan.trees[k] for k in picked]
+        normalized = [plan.normalized[k] for k in picked] if normalized is None else list(normalized)
+        if not trees:
+            return [[] for _ in prompts]
+        head = len(plan.head)
+        if len(prompts) == 1:  # one call even without a prefix cache (a batch computes the head apart)
+            return [self._alone(prompts[0], trees, stats[0], head, normalized)]
+        together = [i for i, p in enumerate(prompts) if head > 0 and self.runner.fits(len(p) - head, trees)]
+        out = {
+            i: self._alone(p, trees, stats[i], head, normalized)
+            for i, p in enumerate(prompts)
+            if i not in together
+        }
+        if together:
+            kv = self._shared_head(prompts[together[0]][:head], [stats[i] for i in together])
+            rows = [prompts[i] for i in together]
+            scored = self.runner.run_rows(rows, trees, [stats[i] for i in together], kv, head, normalized)
+            out.update(zip(together, scored, strict=True))
+        return [out[i] for i in range(len(prompts))]
+
+    def priors(
+        self, plan: SchemaPlan, stats: PassStats, normalized: Sequence[bool] | None = None
+    ) -> list[torch.Tensor]:
+        """Per tree, the content-free prior in the same units as the scores (`normalized`: log-probs
+        or logits per tree); the first call per plan runs the texts on `stats`' behalf."""
+        key = (id(plan), tuple(plan.normalized if normalized is None else normalized))
+        with self._lock:
+            cached = self._priors.get(key)
+        if cached is not None:
+            return cached
+        runs = []
+        for text in CONTENT_FREE_TEXTS:
+            ids = self.prompt.with_head(plan.head, text).ids
+            runs.append(self._alone(ids, plan.trees, stats, len(plan.head), key[1]))
+        count = torch.log(torch.tensor(float(len(runs))))
+        priors = [
+            torch.logsumexp(torch.stack(per_tree), dim=0) - count for per_tree in zip(*runs, strict=True)
+        ]
+        with self._lock:
+            self._priors[key] = priors
+        return priors
+
+    def head_kv(self, prompt_ids: Sequence[int], head_len: int, stats: PassStats) -> tuple[Any, int]:
+        """(private KV, length) of the longest cached prefix of the prompt; on a miss, the first
+        `head_len` tokens are computed and stored for later requests. (None, 0) without a cache."""
+        if self.prefix_cache is None:
+            return None, 0
+        kv, past = self.prefix_cache.lookup(prompt_ids)
+        stats.reused_tokens = past
+        stats.cache_hit = past > 0 and past >= head_len
+        if past < head_len:  # first request of this schema: compute and keep the head alone
+            kv, past = self.runner.prefill_head(prompt_ids[:head_len], stats), head_len
+            self.prefix_cache.store(prompt_ids[:head_len], kv)
+        return kv, past
+
+    def generation_kv(self, prompt_ids: Sequence[int], head_len: int, stats: PassStats) -> Any:
+        """`head_kv` for generation: cropped so that at least one prompt token is left to feed."""
+        kv, past = self.head_kv(prompt_ids, head_len, stats)
+        if kv is not None and past >= len(prompt_ids):
+            kv.crop(-(past - len(prompt_ids) + 1))
+        return kv
+
+    def _alone(
+        self,
+        prompt_ids: Sequence[int],
+        trees: Sequence[TokenTree],
+        stats: PassStats,
+        head_len: int,
+        normalized: Sequence[bool],
+    ) -> list[torch.Tensor]:
+        kv, past = self.head_kv(prompt_ids, head_len, stats)
+        return self.runner.run(prompt_ids, trees, stats, kv, past, normalized)
+
+    def _shared_head(self, head: Sequence[int], stats: Sequence[PassStats]) -> Any:
+        """The head's KV for a batch, fetched or computed on the first row's behalf; the other rows
+        reuse it (their counters say so)."""
+        first = stats[0]
+        if self.prefix_cache is not None:
+            kv, _ = self.head_kv(head, len(head), first)
+        else:
+            kv = self.runner.prefill_head(head, first)
+        for other in stats[1:]:
+            other.reused_tokens, other.cache_hit = len(head), first.cache_hit
+        return kv

@@ -1,0 +1,127 @@
+"""What several test modules share: schemas and texts, reference scores, comparisons, forward counters,
+and the models (tiny random Llamas, the offline SmolLM2). Test modules import from here, never from each
+other; `conftest.py` turns the models into fixtures."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Literal
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from pcd_engine import PCDEngine
+from pcd_engine.precision import separate_logprobs
+from pcd_engine.runner import PassStats
+from pcd_engine.scoring import token_logprobs
+
+
+class Shipping(BaseModel):
+    method: Literal["air", "sea", "air_express"]
+    insured: bool
+
+
+class Wide(BaseModel):
+    """Many fields, options sharing first tokens, multi-token options, ints, nested, multi-label."""
+
+    topic: Literal["billing", "billing_dispute", "bill", "bug", "refund_request", "other"]
+    urgent: bool
+    sentiment: Literal["negative", "neutral", "positive"] | None
+    priority: Annotated[int, Field(ge=1, le=12)]
+    shipping: Shipping
+    tags: list[Literal["billing", "bug", "praise"]]
+
+
+TEXT = "I was charged twice <|im_end|> and the app crashes, refund me!"
+TEXTS = [
+    "refund me",
+    TEXT,
+    "Where is my parcel? It was due on Monday.",
+    "x",
+    "The app crashes when I log in. " * 3,
+    "How do I change my password?",
+    "charged twice",
+]
+
+
+def packed_and_separate(engine: PCDEngine, schema, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(packed, separate) per-token log-probs for every candidate of every decision: the engine's
+    scorer (prefix cache, microbatches) against one ordinary full forward pass per candidate, with no
+    packing, no cache and no mask."""
+    plan = engine.plan(schema)
+    prompt = engine.prompt.with_head(plan.head, text).ids
+    normalized = [True] * len(plan.trees)  # log-probs whatever the engine's rule
+    (packed,) = engine.scorer.score(plan, [prompt], [PassStats()], normalized=normalized)
+    pairs = []
+    for tree, logprobs in zip(plan.trees, packed, strict=True):
+        for candidate, got in enumerate(token_logprobs(tree, logprobs)):
+            pairs.append((got, separate_logprobs(engine.model, prompt, tree, candidate)))
+    return pairs
+
+
+def assert_same_scores(got, want, tol=1e-4):
+    for result, reference in zip(got, want, strict=True):
+        assert result.value == reference.value
+        for path, field in reference.fields.items():
+            for value, score in field.log_scores.items():
+                assert result.fields[path].log_scores[value] == pytest.approx(score, abs=tol)
+
+
+class ForwardCounter:
+    """Counts a module's forward calls and the batch size of each (hook the decoder: the runner
+    calls it directly when it projects only the scored positions itself)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.rows: list[int] = []
+        self.handle = module.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.rows.append(int(ids.shape[0]))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def tiny_llama(vocab_size: int, attn: str = "sdpa", seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init is near-uniform; sharpen it so scores differ clearly
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@functools.cache
+def smollm2_model():
+    """(model, tokenizer) of the offline SmolLM2-135M-Instruct GGUF, FP32 on CPU (loaded once)."""
+    from minicpm_pcd_adapters import smollm2_gguf_path
+    from pcd_engine.loading import load_model_and_tokenizer
+
+    try:
+        path = smollm2_gguf_path()
+    except Exception as error:  # the package is installed by the README's test command
+        pytest.fail(f"SmolLM2 is required for the slow tests: {error}")
+    return load_model_and_tokenizer(path, device="cpu")
+
+
+@functools.cache
+def smollm2_engine():
+    """A PCDEngine on SmolLM2 shared by the adapter tests; free text capped (SmolLM2 loops when greedy)."""
+    from pcd_engine import Limits
+
+    model, tokenizer = smollm2_model()
+    return PCDEngine(model, tokenizer, limits=Limits(max_string_length=48))
