@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from minicpm_pcd_adapters.smollm2 import load_smollm2
-from pcd_engine import PCDEngine, PCDError
-from pcd_engine.scoring import RULES
+from pcd_engine import RULES, PCDEngine, PCDError
 
 MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
 JSON_SUFFIXES = {".jsonl", ".ndjson", ".json"}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, Literal
@@ -32,10 +31,13 @@ from langchain_core.messages import (
     AIMessageChunk,
     BaseMessage,
     ChatMessage,
+    HumanMessage,
     ToolMessage,
     UsageMetadata,
+    convert_to_messages,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import (
     Runnable,
     RunnableBinding,
@@ -48,10 +50,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, loaded_engine
-from minicpm_pcd_adapters.requests import sampling_for, structured_request
-from pcd_engine import Limits, PCDEngine, PCDError, PCDResult, Sampling, compile_schema
-from pcd_engine.output_types import output_type
+from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, sampling_for, structured_request
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
+from pcd_engine import PCDEngine, PCDError, PCDResult, output_type, require_closed
 
 METHODS = ("json_schema", "function_calling", "json_mode", "pcd")
 SCHEMA_KEY = "pcd_schema"  # bound kwargs of a structured call
@@ -85,7 +86,7 @@ class ChatMiniCPM(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
 
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
     @property
     def _llm_type(self) -> str:
@@ -112,7 +113,11 @@ class ChatMiniCPM(BaseChatModel):
 
     def load(self) -> PCDEngine:
         """The engine, loaded on first use (thread-safe)."""
-        return loaded_engine(self)
+        if self.engine is None:
+            self.engine = self._slot.load(
+                self.model, revision=self.revision, gguf_file=self.gguf_file, options=self.engine_kwargs
+            )
+        return self.engine
 
     # -- plain chat and structured calls -------------------------------------------------------
 
@@ -163,15 +168,7 @@ class ChatMiniCPM(BaseChatModel):
                 )
 
     def _call_options(self, stop: list[str] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - {
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "seed",
-            "model",
-        }
+        unknown = set(kwargs) - SAMPLING_OPTIONS - {"max_tokens", "model"}
         if unknown:
             raise ValueError(f"ChatMiniCPM got unsupported call arguments: {sorted(unknown)}")
         if kwargs.get("model", self.model) != self.model:
@@ -181,11 +178,8 @@ class ChatMiniCPM(BaseChatModel):
         return {
             "max_tokens": kwargs.get("max_tokens", self.max_tokens),
             "stop": stop if stop is not None else self.stop,
-            "sampling": self._sampling(kwargs),
+            "sampling": sampling_for(self, kwargs),
         }
-
-    def _sampling(self, kwargs: Mapping[str, Any]) -> Sampling:
-        return sampling_for(self, kwargs)
 
     def _structured(self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any]) -> AIMessage:
         request = _Request(kwargs[SCHEMA_KEY], kwargs.get("pcd_method", "json_schema"))
@@ -209,7 +203,7 @@ class ChatMiniCPM(BaseChatModel):
                 request.schema,
                 instructions=instructions,
                 allow_generation=request.method != "pcd",
-                sampling=self._sampling({}),
+                sampling=sampling_for(self, {}),
                 return_exceptions=True,
             )
             for n, result in zip(indices, results, strict=True):
@@ -268,7 +262,7 @@ class ChatMiniCPM(BaseChatModel):
         engine_schema = _engine_schema(schema)
         target = output_type(engine_schema)  # schema errors here, before any model work
         if method == "pcd":
-            compile_schema(target.model, self.engine.limits if self.engine else Limits(), allow_open=False)
+            require_closed(target.model, self.engine.limits if self.engine else None)
         llm = self.bind(
             ls_structured_output_format={"kwargs": {"method": method, "strict": strict}, "schema": schema},
             **{SCHEMA_KEY: engine_schema, "pcd_method": method},
@@ -339,11 +333,24 @@ class _BatchedStructuredOutput(RunnableBinding):  # type: ignore[type-arg]
         items = []
         for value in inputs:
             try:
-                items.append(_request_text(self.chat_model._convert_input(value).to_messages()))
+                items.append(_request_text(_input_messages(value)))
             except (ValueError, TypeError):  # left to the per-input path, which raises it in place
                 continue
         results = self.chat_model._classify(items, self.request) if items else []
         return {self.request.key(*item): result for item, result in zip(items, results, strict=True)}
+
+
+def _input_messages(value: LanguageModelInput) -> list[BaseMessage]:
+    """The messages of a chat model's input (a prompt value, a string, or a list of messages)."""
+    if isinstance(value, PromptValue):
+        return value.to_messages()
+    if isinstance(value, str):
+        return [HumanMessage(content=value)]
+    if isinstance(value, Sequence):
+        return convert_to_messages(value)
+    raise ValueError(
+        f"Invalid input type {type(value)}. Must be a PromptValue, str, or list of BaseMessages."
+    )
 
 
 def _engine_schema(schema: Any) -> Any:

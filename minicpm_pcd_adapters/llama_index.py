@@ -14,10 +14,15 @@ Ticket(topic='billing', ...)
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
+from llama_index.core.base.llms.generic_utils import (
+    achat_to_completion_decorator,
+    astream_chat_to_completion_decorator,
+    chat_to_completion_decorator,
+    stream_chat_to_completion_decorator,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -42,10 +47,9 @@ from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.settings import Settings
 from llama_index.core.types import BasePydanticProgram, Model
 
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, loaded_engine
-from minicpm_pcd_adapters.requests import sampling_for, structured_request
-from pcd_engine import Limits, PCDEngine, PCDResult, Sampling, compile_schema
-from pcd_engine.output_types import output_type
+from minicpm_pcd_adapters.messages import sampling_for, structured_request
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
+from pcd_engine import PCDEngine, PCDResult, Sampling, require_closed
 
 dispatcher = get_dispatcher(__name__)
 
@@ -68,8 +72,9 @@ class MiniCPMLLM(CustomLLM):
     top_p: float = Field(default=1.0)
     min_p: float = Field(default=0.0)
     repetition_penalty: float = Field(default=1.0)
+    seed: int | None = Field(default=None, description="Seed for sampled decoding (temperature > 0).")
 
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
     @classmethod
     def class_name(cls) -> str:
@@ -87,7 +92,11 @@ class MiniCPMLLM(CustomLLM):
 
     def load(self) -> PCDEngine:
         """The engine, loaded on first use (thread-safe)."""
-        return loaded_engine(self)
+        if self.engine is None:
+            self.engine = self._slot.load(
+                self.model, revision=self.revision, gguf_file=self.gguf_file, options=self.engine_kwargs
+            )
+        return self.engine
 
     def sampling(self, **overrides: Any) -> Sampling:
         return sampling_for(self, overrides)
@@ -133,24 +142,11 @@ class MiniCPMLLM(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        result = self.load().generate([("user", prompt)], **self._options(kwargs))
-        return CompletionResponse(
-            text=result.text,
-            raw={"finish_reason": result.finish_reason},
-            additional_kwargs=_usage(result.prompt_tokens, result.completion_tokens),
-        )
+        return chat_to_completion_decorator(self.chat)(prompt, **kwargs)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self.load().stream([("user", prompt)], **self._options(kwargs))
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            for piece in pieces:
-                text += piece.text
-                yield CompletionResponse(text=text, delta=piece.text)
-
-        return gen()
+        return stream_chat_to_completion_decorator(self.stream_chat)(prompt, **kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -158,7 +154,7 @@ class MiniCPMLLM(CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+        return await achat_to_completion_decorator(self.achat)(prompt, **kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -168,7 +164,7 @@ class MiniCPMLLM(CustomLLM):
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        return _in_thread(self.stream_complete(prompt, formatted, **kwargs))
+        return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
 
     # -- structured output: every path goes through MiniCPMPCDProgram ------------------------
 
@@ -180,12 +176,8 @@ class MiniCPMLLM(CustomLLM):
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Model:
-        dispatcher.event(
-            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
-        )
-        result = MiniCPMPCDProgram(output_cls, prompt, self)(llm_kwargs=llm_kwargs, **prompt_args)
-        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
-        return result
+        program = self._predict_program(output_cls, prompt, prompt_args)
+        return _predicted(program(llm_kwargs=llm_kwargs, **prompt_args))
 
     @dispatcher.span
     async def astructured_predict(
@@ -195,12 +187,17 @@ class MiniCPMLLM(CustomLLM):
         llm_kwargs: dict[str, Any] | None = None,
         **prompt_args: Any,
     ) -> Model:
+        program = self._predict_program(output_cls, prompt, prompt_args)
+        return _predicted(await program.acall(llm_kwargs=llm_kwargs, **prompt_args))
+
+    def _predict_program(
+        self, output_cls: type[Model], prompt: PromptTemplate, prompt_args: dict[str, Any]
+    ) -> MiniCPMPCDProgram[Model]:
+        """The program answering a structured-predict call, once its start event is sent."""
         dispatcher.event(
             LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
         )
-        result = await MiniCPMPCDProgram(output_cls, prompt, self).acall(llm_kwargs=llm_kwargs, **prompt_args)
-        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
-        return result
+        return MiniCPMPCDProgram(output_cls, prompt, self)
 
     def _structured_stream_call(
         self,
@@ -241,8 +238,7 @@ class MiniCPMPCDProgram(BasePydanticProgram[Model]):
         if not isinstance(llm, MiniCPMLLM):
             raise TypeError(f"MiniCPMPCDProgram needs a MiniCPMLLM, got {type(llm).__name__}")
         if allow_generation is False:  # refuse open fields now, before any model work
-            limits = llm.engine.limits if llm.engine is not None else Limits()
-            compile_schema(output_type(output_cls).model, limits, allow_open=False)
+            require_closed(output_cls, llm.engine.limits if llm.engine is not None else None)
         self._output_cls = output_cls
         self._prompt = prompt
         self._llm = llm
@@ -316,6 +312,12 @@ class MiniCPMPCDProgram(BasePydanticProgram[Model]):
             yield await self.acall(llm_kwargs, **kwargs)
 
         return gen()
+
+
+def _predicted(value: Model) -> Model:
+    """A structured-predict call's answer, once its end event is sent."""
+    dispatcher.event(LLMStructuredPredictEndEvent(output=value))
+    return value
 
 
 def _pairs(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,17 +52,31 @@ def load_minicpm5(
     )
 
 
-def loaded_engine(adapter: Any) -> PCDEngine:
-    """An adapter's engine, loaded on first use (thread-safe). Both adapters (LangChain, LlamaIndex)
-    hold `engine`, `model`, `revision`, `gguf_file`, `engine_kwargs` and a `_lock`."""
-    lock: threading.Lock = adapter._lock
-    with lock:
-        if adapter.engine is None:
-            adapter.engine = engine_for_model(
-                adapter.model, revision=adapter.revision, gguf_file=adapter.gguf_file, **adapter.engine_kwargs
-            )
-        engine: PCDEngine = adapter.engine
-        return engine
+class EngineSlot:
+    """The engine an adapter loads on first use: loaded once, however many threads ask (both adapters,
+    LangChain and LlamaIndex, hold one; an adapter given an engine never asks).
+
+    >>> EngineSlot().load("openbmb/MiniCPM5-2B")  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loaded: PCDEngine | None = None
+
+    def load(
+        self,
+        model: str,
+        *,
+        revision: str | None = None,
+        gguf_file: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> PCDEngine:
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = engine_for_model(
+                    model, revision=revision, gguf_file=gguf_file, **dict(options or {})
+                )
+            return self._loaded
 
 
 def engine_for_model(

@@ -79,3 +79,73 @@ def test_bad_dtype_name():
 
     with pytest.raises(ValueError, match="dtype='fp99'"):
         resolve_dtype("fp99")
+
+
+def test_an_adapter_s_engine_slot_loads_once_for_all_threads(tmp_path, tiny_tokenizer, tiny_model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minicpm_pcd_adapters.minicpm import EngineSlot
+
+    tiny_model.save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    slot = EngineSlot()
+    with ThreadPoolExecutor(4) as pool:
+        engines = list(pool.map(lambda _: slot.load(str(tmp_path), options={"device": "cpu"}), range(8)))
+    assert all(engine is engines[0] for engine in engines)
+    assert isinstance(engines[0], PCDEngine) and engines[0].runner.device.type == "cpu"
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Per module of `package`, the modules it imports at run time (TYPE_CHECKING blocks left out)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__import__(package).__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        checking = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in checking or not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            if node.module == package:  # `from pcd_engine import packing`
+                found |= {f"{package}.{a.name}" for a in node.names if (folder / f"{a.name}.py").exists()}
+            found.add(node.module)
+        graph[f"{package}.{path.stem}"] = found
+    return graph
+
+
+def test_the_core_s_imports_have_no_cycle():
+    graph = {
+        m: {d for d in deps if d.startswith("pcd_engine.")} for m, deps in _imports("pcd_engine").items()
+    }
+    del graph["pcd_engine.__init__"]
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, " -> ".join((*path, module))
+        if module not in done:
+            for dependency in graph.get(module, ()):
+                visit(dependency, (*path, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+    assert len(done) == len(graph) > 15
+
+
+def test_adapters_use_only_the_core_s_public_names():
+    import ast
+    from pathlib import Path
+
+    for path in Path(minicpm_pcd_adapters.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pcd_engine"):
+                assert node.module == "pcd_engine", f"{path.name} imports {node.module}"
+                assert {a.name for a in node.names} <= set(pcd_engine.__all__), path.name

@@ -1,8 +1,8 @@
-"""Turning a framework's chat messages into the engine's structured request.
+"""What both adapters (LangChain, LlamaIndex) make of a call: the engine's request and sampling.
 
-Both adapters (LangChain, LlamaIndex) first reduce their message objects to (role, text) pairs;
-this module decides what the engine is asked: system messages become the instructions that head the
-schema's field list, the rest becomes the text to answer.
+Each adapter first reduces its message objects to (role, text) pairs; this module decides what the
+engine is asked: system messages become the instructions that head the schema's field list, the rest
+becomes the text to answer. Decoding options come from `Sampling`'s fields, per call or per adapter.
 
 >>> structured_request([("system", "Route it."), ("user", "I was charged twice")])
 ('Route it.', 'I was charged twice')
@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pcd_engine import Sampling
+
+SAMPLING_OPTIONS = frozenset(f.name for f in dataclasses.fields(Sampling))
 
 
 def sampling_for(adapter: Any, overrides: Mapping[str, Any]) -> Sampling:
