@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pcd_engine import PCDEngine
 from pcd_engine.packing import microbatches, pack_inputs
@@ -80,3 +81,26 @@ def test_pass_stats_count_fed_tokens(tiny_tokenizer, tiny_model):
     engine.runner.run(prompt, plan.trees, stats)
     assert stats.fed_tokens == len(prompt) + plan.branch_tokens
 
+
+def test_additive_mask_is_zero_where_allowed_and_the_dtype_minimum_elsewhere():
+    from pcd_engine.packing import additive_mask
+
+    allowed = torch.tensor([[True, False], [True, True]])
+    for dtype in (torch.float32, torch.bfloat16):
+        mask = additive_mask(allowed, dtype)
+        assert mask.dtype == dtype
+        assert mask.tolist() == [[0.0, torch.finfo(dtype).min], [0.0, 0.0]]
+
+
+def test_a_prompt_with_no_past_is_causal_and_trees_restart_after_it():
+    from pcd_engine.branches import build_tree
+
+    chars = lambda s: [ord(c) for c in s]  # noqa: E731
+    tree = build_tree(chars, "{", ["ab", "ac"])  # fed: the chain "{a"; "b", "c" are only targets
+    packed = pack_inputs([5, 6, 7], 0, [tree, tree])
+    allowed = packed.allowed[0, 0]
+    assert allowed[:3, :3].tolist() == torch.ones(3, 3, dtype=torch.bool).tril().tolist()
+    assert not allowed[:3, 3:].any()  # the prompt sees no branch
+    assert packed.positions.tolist() == [[0, 1, 2, 3, 4, 3, 4]]  # both trees start at position 3
+    assert packed.offsets == [3, 5]
+    assert allowed[5:, 3:5].sum() == 0  # the second tree sees nothing of the first
