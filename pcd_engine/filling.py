@@ -61,6 +61,62 @@ class JsonFiller:
         self.scorer = scorer
         self.batch_size = batch_size
 
+    def check(self, plan: SchemaPlan) -> None:
+        """Compile the unpinned schema once, so an unsupported schema fails before any model work."""
+        assert plan.json_schema is not None
+        try:
+            self.generator.compile_json(json.dumps(plan.json_schema))
+        except Exception as error:  # xgrammar raises RuntimeError/ValueError on schemas it cannot express
+            raise UnsupportedSchemaError(
+                plan.compiled.schema.__name__,
+                plan.compiled.schema,
+                f"its JSON schema cannot be turned into a grammar: {error}",
+            ) from error
+
+    def job(self, plan: SchemaPlan, prompt_ids: Sequence[int], closed: Mapping[Keys, Any]) -> FillJob:
+        assert plan.json_schema is not None
+        open_keys = [f.json_keys for f in plan.compiled.open_fields]
+        pinned = pinned_schema(plan.json_schema, closed, open_keys)
+        matcher = self.generator.matcher(self.generator.compile_json(json.dumps(pinned)))
+        # Leave the space and opening quote before the first open value to the model: its own
+        # tokens merge them with the value (` "Anna`); a lone trailing space token derails it.
+        forced = matcher.find_jump_forward_string().removesuffix('"').rstrip(" ")
+        if not matcher.accept_string(forced):
+            raise RuntimeError(f"the grammar rejected its own forced text {forced!r}")
+        budget = min(token_budget(pinned), self.limits.max_generated_tokens)
+        ids = [*prompt_ids, *self.prompt.encode_text(forced)]
+        return FillJob(ids, forced, matcher, budget, closed)
+
+    def parse(self, job: FillJob, completion: Completion, model: type[BaseModel]) -> tuple[str, Any]:
+        """(raw JSON text, validated instance or the ValidationError); raises when the budget ran out."""
+        raw = job.forced + self.generator.tokenizer.decode(completion.ids, skip_special_tokens=True)
+        if completion.finish_reason == "length":  # the grammar allows a stop token only once complete
+            raise StructuredOutputError(
+                f"generation used its whole budget of {job.budget} tokens (derived from the schema, "
+                "at most Limits.max_generated_tokens) before the JSON object was complete",
+                raw,
+            )
+        data = json.loads(raw)
+        for keys, value in job.closed.items():
+            node = data
+            for key in keys:
+                node = node[key]
+            if node != value:  # the grammar pins them: this would be a bug, never a model choice
+                raise RuntimeError(f"generation changed the scored field {'.'.join(keys)}: {node!r}")
+        try:
+            return raw, model.model_validate(data)
+        except ValidationError as error:
+            return raw, error
+
+    def retry_prompt(self, plan: SchemaPlan, text: str, raw: str, error: ValidationError) -> list[int]:
+        messages = [
+            ("system", plan.system),
+            ("user", text),
+            ("assistant", raw),
+            ("user", RETRY_TEXT.format(error=_describe(error))),
+        ]
+        return self.prompt.render_messages(messages)
+
     def fill(
         self,
         plan: SchemaPlan,
@@ -129,62 +185,6 @@ class JsonFiller:
 
     def _head_kv(self, plan: SchemaPlan, ids: Sequence[int], request: Request) -> Any:
         return self.scorer.generation_kv(ids, len(plan.head), request.stats)
-
-    def check(self, plan: SchemaPlan) -> None:
-        """Compile the unpinned schema once, so an unsupported schema fails before any model work."""
-        assert plan.json_schema is not None
-        try:
-            self.generator.compile_json(json.dumps(plan.json_schema))
-        except Exception as error:  # xgrammar raises RuntimeError/ValueError on schemas it cannot express
-            raise UnsupportedSchemaError(
-                plan.compiled.schema.__name__,
-                plan.compiled.schema,
-                f"its JSON schema cannot be turned into a grammar: {error}",
-            ) from error
-
-    def job(self, plan: SchemaPlan, prompt_ids: Sequence[int], closed: Mapping[Keys, Any]) -> FillJob:
-        assert plan.json_schema is not None
-        open_keys = [f.json_keys for f in plan.compiled.open_fields]
-        pinned = pinned_schema(plan.json_schema, closed, open_keys)
-        matcher = self.generator.matcher(self.generator.compile_json(json.dumps(pinned)))
-        # Leave the space and opening quote before the first open value to the model: its own
-        # tokens merge them with the value (` "Anna`); a lone trailing space token derails it.
-        forced = matcher.find_jump_forward_string().removesuffix('"').rstrip(" ")
-        if not matcher.accept_string(forced):
-            raise RuntimeError(f"the grammar rejected its own forced text {forced!r}")
-        budget = min(token_budget(pinned), self.limits.max_generated_tokens)
-        ids = [*prompt_ids, *self.prompt.encode_text(forced)]
-        return FillJob(ids, forced, matcher, budget, closed)
-
-    def parse(self, job: FillJob, completion: Completion, model: type[BaseModel]) -> tuple[str, Any]:
-        """(raw JSON text, validated instance or the ValidationError); raises when the budget ran out."""
-        raw = job.forced + self.generator.tokenizer.decode(completion.ids, skip_special_tokens=True)
-        if completion.finish_reason == "length":  # the grammar allows a stop token only once complete
-            raise StructuredOutputError(
-                f"generation used its whole budget of {job.budget} tokens (derived from the schema, "
-                "at most Limits.max_generated_tokens) before the JSON object was complete",
-                raw,
-            )
-        data = json.loads(raw)
-        for keys, value in job.closed.items():
-            node = data
-            for key in keys:
-                node = node[key]
-            if node != value:  # the grammar pins them: this would be a bug, never a model choice
-                raise RuntimeError(f"generation changed the scored field {'.'.join(keys)}: {node!r}")
-        try:
-            return raw, model.model_validate(data)
-        except ValidationError as error:
-            return raw, error
-
-    def retry_prompt(self, plan: SchemaPlan, text: str, raw: str, error: ValidationError) -> list[int]:
-        messages = [
-            ("system", plan.system),
-            ("user", text),
-            ("assistant", raw),
-            ("user", RETRY_TEXT.format(error=_describe(error))),
-        ]
-        return self.prompt.render_messages(messages)
 
 
 def generated_fields(plan: SchemaPlan, value: BaseModel) -> dict[str, FieldResult]:
