@@ -287,7 +287,7 @@ class PCDEngine:
         reason and the token counts. Closing the iterator early stops generation."""
         chosen = sampling or self.sampling
         call = chat_call(self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options)
-        return call.stream(self.generator)
+        yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
 
     def _run(
         self,

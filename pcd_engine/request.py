@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from pcd_engine.decisions import closed_value
 from pcd_engine.errors import InputError, PCDError, StructuredOutputError
+from pcd_engine.generate import Sampling
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt, PromptIds
 from pcd_engine.results import Diagnostics, FieldResult, PCDResult
@@ -31,7 +32,7 @@ class RequestOptions:
     instructions: str | None = None
     rule: str | Rule | None = None
     allow_generation: bool | None = None
-    sampling: Any = None  # generate.Sampling
+    sampling: Sampling | None = None
 
 
 @dataclass
