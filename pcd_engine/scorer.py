@@ -119,6 +119,8 @@ class Scorer:
         head_len: int,
         normalized: Sequence[bool],
     ) -> list[torch.Tensor]:
+        if not trees:  # a plan of single-value fields: nothing to run, not even the head
+            return []
         kv, past = self.head_kv(prompt_ids, head_len, stats)
         return self.runner.run(prompt_ids, trees, stats, kv, past, normalized)
 

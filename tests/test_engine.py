@@ -177,3 +177,16 @@ def test_contextual_calibration_removes_the_content_free_prior(tiny_model, tiny_
     for value, score in first.fields["topic"].log_scores.items():
         expected = plain.fields["topic"].log_scores[value] - prior.fields["topic"].log_scores[value]
         assert score == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("rule", ["option-cc", "greedy"])
+def test_a_schema_of_single_value_fields_needs_no_forward_call(tiny_model, tiny_tokenizer, rule):
+    class Fixed(BaseModel):
+        channel: Literal["email"]
+        version: Literal[2]
+
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
+    result = engine.classify("text", Fixed)
+    assert result.value == Fixed(channel="email", version=2)
+    assert result.fields["channel"].rule == "fixed" and result.diagnostics.forward_calls == 0
+    assert [r.value for r in engine.classify_batch(["a", "b"], Fixed)] == [result.value] * 2
