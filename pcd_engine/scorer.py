@@ -56,11 +56,12 @@ class Scorer:
         head = len(plan.head)
         if len(prompts) == 1:  # one call even without a prefix cache (a batch computes the head apart)
             return [self._alone(prompts[0], trees, stats[0], head, normalized)]
-        together = [i for i, p in enumerate(prompts) if head > 0 and self.runner.fits(len(p) - head, trees)]
-        out = {
+        fits = [head > 0 and self.runner.fits(len(p) - head, trees) for p in prompts]
+        together = [i for i, ok in enumerate(fits) if ok]
+        out = {  # a prompt too long for the budget runs alone, its trees in microbatches
             i: self._alone(p, trees, stats[i], head, normalized)
-            for i, p in enumerate(prompts)
-            if i not in together
+            for i, (p, ok) in enumerate(zip(prompts, fits, strict=True))
+            if not ok
         }
         if together:
             kv = self._shared_head(prompts[together[0]][:head], [stats[i] for i in together])
