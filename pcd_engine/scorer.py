@@ -53,20 +53,20 @@ class Scorer:
         normalized = [plan.normalized[k] for k in picked] if normalized is None else list(normalized)
         if not trees:
             return [[] for _ in prompts]
-        head = len(plan.head)
+        head_len = len(plan.head)
         if len(prompts) == 1:  # one call even without a prefix cache (a batch computes the head apart)
-            return [self._alone(prompts[0], trees, stats[0], head, normalized)]
-        fits = [head > 0 and self.runner.fits(len(p) - head, trees) for p in prompts]
+            return [self._alone(prompts[0], trees, stats[0], head_len, normalized)]
+        fits = [head_len > 0 and self.runner.fits(len(p) - head_len, trees) for p in prompts]
         together = [i for i, ok in enumerate(fits) if ok]
         out = {  # a prompt too long for the budget runs alone, its trees in microbatches
-            i: self._alone(p, trees, stats[i], head, normalized)
+            i: self._alone(p, trees, stats[i], head_len, normalized)
             for i, (p, ok) in enumerate(zip(prompts, fits, strict=True))
             if not ok
         }
         if together:
-            kv = self._shared_head(prompts[together[0]][:head], [stats[i] for i in together])
+            kv = self._shared_head(prompts[together[0]][:head_len], [stats[i] for i in together])
             rows = [prompts[i] for i in together]
-            scored = self.runner.run_rows(rows, trees, [stats[i] for i in together], kv, head, normalized)
+            scored = self.runner.run_rows(rows, trees, [stats[i] for i in together], kv, head_len, normalized)
             out.update(zip(together, scored, strict=True))
         return [out[i] for i in range(len(prompts))]
 
