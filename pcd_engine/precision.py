@@ -84,7 +84,7 @@ def separate_logprobs(model: Any, prompt: Sequence[int], tree: TokenTree, candid
 def self_check(runner: BranchRunner, prompt: ChatPrompt, plan: SchemaPlan) -> SelfCheck:
     """ProbeTicket's trees (`plan`, under the option rule) after the probe texts, through the packed
     path (a shared cached head, padded rows) and through separate passes, in the runner's dtype."""
-    probe = dataclasses.replace(plan, head=tuple(prompt.encode_text(PROBE_HEAD)))
+    probe = dataclasses.replace(plan, head=tuple(prompt.encode_text(PROBE_HEAD)))  # a short fixed head
     prompts = [[*probe.head, *prompt.encode_text(text)] for text in PROBE_TEXTS]
     trees = probe.trees
     stats = [PassStats() for _ in prompts]
