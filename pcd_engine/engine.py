@@ -32,7 +32,7 @@ from pcd_engine.loading import load_with_reference
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
-from pcd_engine.request import Request, RequestOptions, elapsed_ms, render_all, results
+from pcd_engine.request import Request, RequestOptions, elapsed_ms, in_order, render_all
 from pcd_engine.results import Generation, GenerationChunk, PCDResult
 from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
@@ -326,7 +326,7 @@ class PCDEngine:
             if progress is not None and len(requests) < len(items):
                 progress(len(items) - len(requests))
         # 5. one result or error per input, in order
-        return results(items, target.to_output, return_exceptions)
+        return in_order(items, target.to_output, return_exceptions)
 
     def _score(self, plan: SchemaPlan, requests: Sequence[Request]) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the

@@ -113,7 +113,7 @@ def render_all(
     return items
 
 
-def results(
+def in_order(
     items: Sequence[Request | PCDError], to_output: Callable[[BaseModel], Any], return_exceptions: bool
 ) -> list[PCDResult[Any] | PCDError]:
     """One result or error per input, in order; without `return_exceptions` the first error raises."""

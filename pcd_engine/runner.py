@@ -79,8 +79,6 @@ class BranchRunner:
         normalized: Sequence[bool] | None = None,
     ) -> list[torch.Tensor]:
         """For each tree, its scored columns (see the class) after one prompt."""
-        if not trees:  # nothing to score: no forward call
-            return []
         normalized = list(normalized) if normalized is not None else [True] * len(trees)
         budget = self.max_tokens_per_forward
         groups = packing.microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
