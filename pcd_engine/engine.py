@@ -1,12 +1,13 @@
 """PCDEngine: the request pipeline, wired from the modules that do the work.
 
-    plan (schema + tokenizer + rule, cached)            plan.py
+    plan (schema + tokenizer + rule + examples, cached) plan.py
     1. render every input; a bad input fails here       request.py
     2. score the closed fields in packed passes         scorer.py -> runner.py, decisions.py
     3. re-score close calls in FP32                     precision.py
-    4. validate the closed answer, or generate the      request.py / filling.py
+    4. calibrate the scored fields, mark abstentions    calibration.py
+    5. validate the closed answer, or generate the      request.py / filling.py
        open fields after the scored ones
-    5. one result or error per input, in order          request.py
+    6. one result or error per input, in order          request.py
 
 `generate` / `stream` are plain chat generation (chat.py, generate.py).
 """
@@ -16,23 +17,25 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import cached_property
 from typing import Any, TypeVar, overload
 
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import precision
+from pcd_engine import calibration, precision
 from pcd_engine.cache import PrefixCache
+from pcd_engine.calibration import Calibration
 from pcd_engine.chat import Message, chat_call, stop_ids
 from pcd_engine.decisions import decide
-from pcd_engine.errors import PCDError, PrecisionCheckError
+from pcd_engine.errors import CalibrationError, PCDError, PrecisionCheckError
 from pcd_engine.filling import JsonFiller
 from pcd_engine.generate import Generator, Sampling
 from pcd_engine.loading import load_with_reference
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
-from pcd_engine.request import Request, RequestOptions, elapsed_ms, in_order, render_all
+from pcd_engine.request import Request, RequestOptions, elapsed_ms, example_turns, in_order, render_all
 from pcd_engine.results import Generation, GenerationChunk, PCDResult
 from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
@@ -68,7 +71,8 @@ class PCDEngine:
     template's end-of-turn token), `reference_model` (an FP32 copy of the weights: scored fields whose
     margin is below `rescore_margin` are scored again on it, so close calls match FP32), `self_check`
     (for a model not in float32: compare packed and separate passes on a fixed probe at start-up and
-    raise PrecisionCheckError if they disagree; the report is `engine.precision_check`).
+    raise PrecisionCheckError if they disagree; the report is `engine.precision_check`),
+    `abstain_below` (default abstention threshold of `classify` calls; None: never abstain).
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class PCDEngine:
         reference_model: Any = None,
         rescore_margin: float = 0.2,
         self_check: bool = True,
+        abstain_below: float | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -96,6 +101,7 @@ class PCDEngine:
         self.limits = limits or Limits()
         self.instructions = instructions
         self.allow_generation = allow_generation
+        self.abstain_below = RequestOptions(abstain_below=abstain_below).abstain_below  # checks it
         self.sampling = sampling or Sampling()
         self.prompt = ChatPrompt(tokenizer, chat_template_kwargs)
         self.runner = BranchRunner(model, max_tokens_per_forward)
@@ -153,8 +159,11 @@ class PCDEngine:
         instructions: str | None = None,
         rule: str | Rule | None = None,
         allow_generation: bool | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
     ) -> SchemaPlan:
-        """The cached SchemaPlan for a schema (compiles it on first use; raises schema errors)."""
+        """The cached SchemaPlan for a schema (compiles it on first use; raises schema errors).
+        `examples` (default: the model's `pcd_examples` class variable, if any) are labeled
+        (text, answer) pairs rendered into the cached head."""
         model = output_type(schema).model
         compiled = compile_schema(model, self.limits, allow_open=True)
         allowed = self.allow_generation if allow_generation is None else allow_generation
@@ -162,7 +171,8 @@ class PCDEngine:
             raise compiled.open_fields[0].error()
         chosen_rule = self.rule if rule is None else get_rule(rule)
         text = instructions if instructions is not None else self.instructions
-        return self._plans.get(compiled, chosen_rule, text)
+        shots = examples if examples is not None else getattr(model, "pcd_examples", None) or ()
+        return self._plans.get(compiled, chosen_rule, text, example_turns(model, shots))
 
     @overload
     def classify(
@@ -174,6 +184,10 @@ class PCDEngine:
         rule: str | Rule | None = None,
         allow_generation: bool | None = None,
         sampling: Sampling | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
+        calibration: Calibration | None = None,
+        abstain_below: float | None = None,
+        on_abstain: str = "flag",
     ) -> PCDResult[T]: ...
 
     @overload
@@ -186,6 +200,10 @@ class PCDEngine:
         rule: str | Rule | None = None,
         allow_generation: bool | None = None,
         sampling: Sampling | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
+        calibration: Calibration | None = None,
+        abstain_below: float | None = None,
+        on_abstain: str = "flag",
     ) -> PCDResult[Any]: ...
 
     def classify(
@@ -197,13 +215,24 @@ class PCDEngine:
         rule: str | Rule | None = None,
         allow_generation: bool | None = None,
         sampling: Sampling | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
+        calibration: Calibration | None = None,
+        abstain_below: float | None = None,
+        on_abstain: str = "flag",
     ) -> PCDResult[Any]:
         """Answer one text with a validated `schema` value and per-field results.
 
         `schema` is a Pydantic model (gives an instance), a TypedDict or a JSON-schema dict (give a
         dict). Closed fields are scored; open fields are generated unless `allow_generation=False`.
+        `examples`: labeled (text, answer) pairs put in the cached prompt head. `calibration`: a
+        `Calibration` fitted for this schema, model and rule (`calibrate`). `abstain_below`: a field
+        whose (calibrated) confidence is below it is marked abstained (default: the engine's);
+        `on_abstain="raise"` then raises AbstentionError carrying the result.
         """
-        options = RequestOptions(instructions, rule, allow_generation, sampling)
+        options = RequestOptions(
+            instructions, rule, allow_generation, sampling, examples, calibration, False,
+            self._abstain_below(abstain_below), on_abstain,
+        )  # fmt: skip
         (result,) = self._run([text], schema, options, return_exceptions=False, single=True)
         assert not isinstance(result, PCDError)
         return result
@@ -217,18 +246,73 @@ class PCDEngine:
         rule: str | Rule | None = None,
         allow_generation: bool | None = None,
         sampling: Sampling | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
+        calibration: Calibration | None = None,
+        calibrate: str | None = None,
+        abstain_below: float | None = None,
+        on_abstain: str = "flag",
         return_exceptions: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> list[PCDResult[Any] | PCDError]:
-        """Classify many texts; one entry per input, in order.
+        """Classify many texts; one entry per input, in order. Options as in `classify`.
 
         Every input is checked before any model work. With `return_exceptions=True`, an input that
         cannot be answered yields its `PCDError` in place and the others are still answered;
-        otherwise the first such error is raised. Open fields are generated in padded batches of
-        `generation_batch_size`. `progress(n)` is called as inputs complete.
+        otherwise the first such error is raised. `calibrate="batch"` calibrates every field on the
+        batch itself (each value's probabilities divided by their mean over the batch): no labels
+        needed, but it assumes the batch is not dominated by one value. Open fields are generated in
+        padded batches of `generation_batch_size`. `progress(n)` is called as inputs complete.
         """
-        options = RequestOptions(instructions, rule, allow_generation, sampling)
+        if calibrate not in (None, "batch"):
+            raise CalibrationError(f"calibrate must be None or 'batch', got {calibrate!r}")
+        options = RequestOptions(
+            instructions, rule, allow_generation, sampling, examples, calibration, calibrate == "batch",
+            self._abstain_below(abstain_below), on_abstain,
+        )  # fmt: skip
         return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
+
+    def calibrate(
+        self,
+        schema: Any,
+        texts: Sequence[str],
+        labels: Sequence[Any] | None = None,
+        *,
+        method: str = "auto",
+        folds: int = 5,
+        instructions: str | None = None,
+        rule: str | Rule | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Calibration:
+        """Fit a Calibration of the schema's scored fields on these texts (see calibration.py).
+
+        With `labels` (one object per text, in the schema's JSON form or as instances; a field
+        missing from a label is left out for that field) the maps are fitted per field and their
+        report is cross-validated over `folds`; without labels, batch calibration. `method`:
+        "auto", "bias", "temperature", "batch" or "none". Open fields are not generated.
+        """
+        plan = self.plan(schema, instructions=instructions, rule=rule, examples=examples)
+        if labels is not None:
+            labels = list(labels)
+            if len(labels) != len(texts):
+                raise CalibrationError(f"{len(texts)} texts but {len(labels)} labels")
+            for index, label in enumerate(labels):  # label errors before any model work
+                calibration.decision_labels(plan.compiled, label, index)
+        items = render_all(self.prompt, plan, list(texts), self.limits, False, True)
+        requests = [item for item in items if isinstance(item, Request)]
+        self._score(plan, requests)
+        if self.rescorer is not None:
+            for request in requests:
+                self.rescorer.rescore(plan, request)
+        if progress is not None:
+            progress(len(items))
+        per_text = [item.fields if isinstance(item, Request) else None for item in items]
+        return calibration.fit(plan, self.model_identity, per_text, labels, method, folds)
+
+    @cached_property
+    def model_identity(self) -> calibration.ModelIdentity:
+        """What calibrations fitted on this engine record and check (configuration and weight probe)."""
+        return calibration.model_identity(self.model)
 
     def compare_rules(
         self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")
@@ -304,7 +388,12 @@ class PCDEngine:
             instructions=options.instructions,
             rule=options.rule,
             allow_generation=options.allow_generation,
+            examples=options.examples,
         )
+        if options.calibration is not None:
+            options.calibration.check(plan, self.model_identity)
+        if options.batch_calibration and len(texts) < 2:
+            raise CalibrationError("calibrate='batch' needs a batch of at least 2 texts")
         # 1. render every input: a bad one fails here (or takes its place), before any model work
         items = render_all(self.prompt, plan, texts, self.limits, single, return_exceptions)
         requests = [item for item in items if isinstance(item, Request)]
@@ -314,7 +403,15 @@ class PCDEngine:
         if self.rescorer is not None:
             for request in requests:
                 self.rescorer.rescore(plan, request)
-        # 4. the answer: the scored values alone, or with the open fields generated after them
+        # 4. calibrate the scored fields (a fitted calibration, or one fitted on this batch), abstain
+        maps = options.calibration.fields if options.calibration is not None else None
+        if options.batch_calibration and requests:
+            maps = calibration.batch_maps(plan, [r.fields for r in requests])
+        for request in requests:
+            request.fields = calibration.apply_all(maps or {}, request.fields)
+            if options.abstain_below is not None:
+                request.fields = calibration.abstain(request.fields, options.abstain_below)
+        # 5. the answer: the scored values alone, or with the open fields generated after them
         if plan.json_schema is None:
             for item in items:
                 if isinstance(item, Request):
@@ -325,8 +422,11 @@ class PCDEngine:
             self.filler.fill(plan, requests, options.sampling or self.sampling, single, progress)
             if progress is not None and len(requests) < len(items):
                 progress(len(items) - len(requests))
-        # 5. one result or error per input, in order
-        return in_order(items, target.to_output, return_exceptions)
+        # 6. one result or error per input, in order
+        return in_order(items, target.to_output, return_exceptions, options.on_abstain == "raise")
+
+    def _abstain_below(self, value: float | None) -> float | None:
+        return self.abstain_below if value is None else value
 
     def _score(self, plan: SchemaPlan, requests: Sequence[Request]) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the

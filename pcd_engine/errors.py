@@ -5,10 +5,11 @@ Every error says what was wrong, where (field path or input index) and what to d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pcd_engine.precision import SelfCheck
+    from pcd_engine.results import PCDResult
 
 
 class PCDError(Exception):
@@ -75,6 +76,21 @@ class PrecisionCheckError(PCDError, RuntimeError):
             f"{check.max_abs_diff:.4g} nats (tolerance {check.tolerance:g}), decisions agree: "
             f"{check.decisions_agree}. Load the model in float32, or pass self_check=False to accept it."
         )
+
+
+class CalibrationError(PCDError, ValueError):
+    """A calibration cannot be fitted, loaded or applied (bad labels, too few texts, or it was fitted
+    for another schema, model or rule)."""
+
+
+class AbstentionError(PCDError):
+    """A field's calibrated confidence is below the abstention threshold and `on_abstain="raise"` was
+    asked; `result` is the full answer (its abstained fields are marked) for review."""
+
+    def __init__(self, result: PCDResult[Any]) -> None:
+        self.result = result
+        unsure = ", ".join(f"{p!r} ({result.fields[p].confidence:.2f})" for p in result.abstained_fields)
+        super().__init__(f"abstained on field(s) {unsure}: confidence below the threshold; review the answer")
 
 
 class ModelLoadError(PCDError, OSError):

@@ -1,13 +1,16 @@
 """SchemaPlan: a compiled schema bound to a tokenizer, a rule and instructions.
 
-Built once per (schema, rule, instructions) and cached by the engine: the system text, the token ids
-of the shared prompt head, one token tree per decision and, for a model with open fields, its JSON
-schema. A request then only encodes its own text. What requests read on every call (the trees, which
-need a normaliser, how many tokens they feed) is computed once per plan.
+Built once per (schema, rule, instructions, examples) and cached by the engine: the system text, the
+token ids of the shared prompt head (labeled examples ride in it as earlier turns), one token tree per
+decision and, for a model with open fields, its JSON schema. A request then only encodes its own text.
+What requests read on every call (the trees, which need a normaliser, how many tokens they feed) is
+computed once per plan.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +40,15 @@ class SchemaPlan:
     head: tuple[int, ...]
     decisions: tuple[DecisionPlan, ...]
     json_schema: dict[str, Any] | None = None  # the model's JSON schema (capped), when it has open fields
+    examples: tuple[tuple[str, str], ...] = ()  # (text, answer JSON) turns rendered into the head
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What scores depend on besides the model and rule: every decision's path and values, and the
+        whole head text (instructions, descriptions, examples). Calibrations are keyed by it."""
+        decisions = [[d.decision.path, [c.json for c in d.decision.candidates]] for d in self.decisions]
+        text = json.dumps([decisions, self.system, self.examples], ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @cached_property
     def scored_decisions(self) -> tuple[DecisionPlan, ...]:
@@ -58,8 +70,8 @@ class SchemaPlan:
 
 
 class PlanCache:
-    """Plans built once per (schema, rule, instructions), safe under threads. `check` runs on every new
-    plan with open fields (their grammar must compile) before it is kept."""
+    """Plans built once per (schema, rule, instructions, examples), safe under threads. `check` runs on
+    every new plan with open fields (their grammar must compile) before it is kept."""
 
     def __init__(
         self, prompt: ChatPrompt, limits: Limits, check: Callable[[SchemaPlan], None] | None = None
@@ -70,12 +82,18 @@ class PlanCache:
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
         self._lock = threading.Lock()
 
-    def get(self, compiled: CompiledSchema, rule: Rule, instructions: str | None) -> SchemaPlan:
-        key = (compiled.schema, rule, instructions)
+    def get(
+        self,
+        compiled: CompiledSchema,
+        rule: Rule,
+        instructions: str | None,
+        examples: tuple[tuple[str, str], ...] = (),
+    ) -> SchemaPlan:
+        key = (compiled.schema, rule, instructions, examples)
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(compiled, self.prompt, rule, instructions, self.limits)
+            plan = build_plan(compiled, self.prompt, rule, instructions, self.limits, examples)
             if plan.json_schema is not None and self.check is not None:
                 self.check(plan)
             with self._lock:
@@ -84,7 +102,12 @@ class PlanCache:
 
 
 def build_plan(
-    compiled: CompiledSchema, prompt: ChatPrompt, rule: Rule, instructions: str | None, limits: Limits
+    compiled: CompiledSchema,
+    prompt: ChatPrompt,
+    rule: Rule,
+    instructions: str | None,
+    limits: Limits,
+    examples: tuple[tuple[str, str], ...] = (),
 ) -> SchemaPlan:
     plans, codes = [], {}
     for decision in compiled.decisions:
@@ -110,7 +133,23 @@ def build_plan(
         defs = schema.get("$defs", {})
         described = {f.path: describe(field_schema(schema, f.json_keys), defs) for f in compiled.open_fields}
     system = system_text(compiled, instructions, codes, described)
-    return SchemaPlan(compiled, system, prompt.render_head(system), tuple(plans), schema)
+    if codes and examples:  # the examples answer the way the branches do: with the codes
+        examples = tuple((text, _coded(answer, compiled, codes)) for text, answer in examples)
+    head = prompt.render_head(system, examples)
+    return SchemaPlan(compiled, system, head, tuple(plans), schema, examples)
+
+
+def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:
+    """An example's answer JSON with each coded field's value replaced by its code."""
+    data = json.loads(answer)
+    for index, field_codes in codes.items():
+        f = compiled.fields[index]
+        node = data
+        for key in f.json_keys[:-1]:
+            node = node[key]
+        position = [c.value for c in f.candidates].index(node[f.json_keys[-1]])
+        node[f.json_keys[-1]] = json.loads(field_codes[position])
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _code_tree(

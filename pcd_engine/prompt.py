@@ -75,8 +75,9 @@ class ChatPrompt:
         """A request's prompt on an already rendered head (the per-schema part)."""
         return PromptIds(head, tuple(self.encode_text(text)), self.tail)
 
-    def render_messages(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """A whole conversation (role, content) followed by the assistant start, contents as data."""
+    def render_messages(self, messages: Sequence[tuple[str, str]], until_last: bool = False) -> list[int]:
+        """A whole conversation (role, content) followed by the assistant start, contents as data;
+        `until_last`: only up to where the last message's content starts."""
         if not getattr(self.tokenizer, "chat_template", None):
             turns = "".join(f"{role.title()}: {text}\n\n" for role, text in messages)
             return self.encode_text(turns + "Assistant:")
@@ -90,7 +91,10 @@ class ChatPrompt:
             if rest.count(slot) != 1:
                 raise ValueError("the chat template does not render message contents verbatim")
             before, rest = rest.split(slot)
-            ids += self._encode_control(before) + self.encode_text(content)
+            ids += self._encode_control(before)
+            if until_last and slot == slots[-1]:
+                return ids
+            ids += self.encode_text(content)
         return ids + self._encode_control(rest)
 
     @property
@@ -98,8 +102,18 @@ class ChatPrompt:
         """The control token that closes a turn in this template (ChatML: `<|im_end|>`), if any."""
         return tuple(self.tail[:1]) if self.tail and self.tail[0] in self.control_ids else ()
 
-    def render_head(self, system: str) -> tuple[int, ...]:
-        start, middle, _ = self._pieces
+    def render_head(self, system: str, examples: Sequence[tuple[str, str]] = ()) -> tuple[int, ...]:
+        """The per-schema head: the system text and, before the user's turn, labeled examples as
+        earlier (user text, assistant answer) turns."""
+        start, middle, tail = self._pieces
+        if examples and not getattr(self.tokenizer, "chat_template", None):
+            shots = "".join(f"{text}{tail}{answer}{middle}" for text, answer in examples)
+            return (*self.encode_text(system + middle + shots),)
+        if examples:
+            turns = [("system", system)]
+            for text, answer in examples:
+                turns += [("user", text), ("assistant", answer)]
+            return tuple(self.render_messages([*turns, ("user", USER_SLOT)], until_last=True))
         if self._system_in_user:
             return (*self._encode_control(start), *self.encode_text(system + "\n\n"))
         return (*self._encode_control(start), *self.encode_text(system), *self._encode_control(middle))

@@ -7,15 +7,17 @@ pipeline's phases then fill in the request's fields, value or error, and `result
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from pcd_engine.calibration import Calibration
 from pcd_engine.decisions import closed_value
-from pcd_engine.errors import InputError, PCDError, StructuredOutputError
+from pcd_engine.errors import AbstentionError, CalibrationError, InputError, PCDError, StructuredOutputError
 from pcd_engine.generate import Sampling
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt, PromptIds
@@ -23,6 +25,8 @@ from pcd_engine.results import Diagnostics, FieldResult, PCDResult
 from pcd_engine.runner import PassStats
 from pcd_engine.schema import Limits
 from pcd_engine.scoring import Rule
+
+ON_ABSTAIN = ("flag", "raise")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,40 @@ class RequestOptions:
     rule: str | Rule | None = None
     allow_generation: bool | None = None
     sampling: Sampling | None = None
+    examples: Sequence[tuple[str, Any]] | None = None
+    calibration: Calibration | None = None
+    batch_calibration: bool = False
+    abstain_below: float | None = None
+    on_abstain: str = "flag"
+
+    def __post_init__(self) -> None:
+        if self.abstain_below is not None and not 0.0 <= self.abstain_below <= 1.0:
+            raise ValueError(f"abstain_below must be a probability in [0, 1], got {self.abstain_below!r}")
+        if self.on_abstain not in ON_ABSTAIN:
+            raise ValueError(f"on_abstain must be one of {ON_ABSTAIN}, got {self.on_abstain!r}")
+        if self.calibration is not None and self.batch_calibration:
+            raise CalibrationError("pass either a calibration or calibrate='batch', not both")
+
+
+def example_turns(
+    schema: type[BaseModel], examples: Sequence[tuple[str, Any]]
+) -> tuple[tuple[str, str], ...]:
+    """Labeled examples as (text, answer JSON) turns; InputError for an example that is not a
+    (str, object of the schema) pair. The answer is the validated object in the schema's JSON form."""
+    turns = []
+    for index, example in enumerate(examples):
+        if not (isinstance(example, tuple | list) and len(example) == 2 and isinstance(example[0], str)):
+            raise InputError(f"example #{index} must be a (text, answer) pair, got {example!r:.80}")
+        text, answer = example
+        try:
+            value = answer if isinstance(answer, schema) else schema.model_validate(answer)
+        except ValidationError as error:
+            raise InputError(
+                f"example #{index}: the answer is not a valid {schema.__name__}: {error}"
+            ) from None
+        dumped = value.model_dump(mode="json", by_alias=True)
+        turns.append((text, json.dumps(dumped, ensure_ascii=False)))
+    return tuple(turns)
 
 
 @dataclass
@@ -114,12 +152,18 @@ def render_all(
 
 
 def in_order(
-    items: Sequence[Request | PCDError], to_output: Callable[[BaseModel], Any], return_exceptions: bool
+    items: Sequence[Request | PCDError],
+    to_output: Callable[[BaseModel], Any],
+    return_exceptions: bool,
+    raise_on_abstain: bool = False,
 ) -> list[PCDResult[Any] | PCDError]:
-    """One result or error per input, in order; without `return_exceptions` the first error raises."""
+    """One result or error per input, in order; without `return_exceptions` the first error raises.
+    With `raise_on_abstain`, a result that needs review becomes an AbstentionError carrying it."""
     out: list[PCDResult[Any] | PCDError] = []
     for item in items:
         outcome = item if isinstance(item, PCDError) else item.result(to_output)
+        if raise_on_abstain and isinstance(outcome, PCDResult) and outcome.needs_review:
+            outcome = AbstentionError(outcome)
         if isinstance(outcome, PCDError) and not return_exceptions:
             raise outcome
         out.append(outcome)

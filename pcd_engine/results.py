@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -19,9 +20,14 @@ class FieldResult:
 
     For a scored field (`source == "scored"`), `probabilities` and `log_scores` are keyed by every
     allowed JSON value (str, int, bool or None); `margin` is the chosen value's probability minus the
-    runner-up's; `rule` names the scoring rule ("fixed" for a field with a single allowed value);
-    `calibrated` is False while the probabilities are a plain softmax over scores. A generated field
-    (`source == "generated"`) has its value (any JSON value) and no scores.
+    runner-up's; `rule` names the scoring rule ("fixed" for a field with a single allowed value).
+    `log_scores` are always the rule's own scores (the content-free prior subtracted where the rule
+    does that), and `raw_probabilities` their softmax. `probabilities` are those, or, when a
+    calibration was applied (`calibration` names its method: "bias", "temperature", "batch", "none"),
+    the calibrated ones, and `value` is then their most probable value; `calibrated` is True when
+    they differ from the raw ones' method. `abstained` marks a field whose confidence was below the
+    request's `abstain_below`. A generated field (`source == "generated"`) has its value (any JSON
+    value) and no scores.
     """
 
     path: str
@@ -33,6 +39,8 @@ class FieldResult:
     calibrated: bool = False
     source: str = "scored"
     rescored: bool = False  # decided on the FP32 reference model (its margin was below the threshold)
+    calibration: str | None = None  # the method of the calibration applied, None if none was
+    abstained: bool = False  # confidence below the request's abstain_below: review this field
 
     @classmethod
     def generated(cls, path: str, value: Any) -> FieldResult:
@@ -43,6 +51,16 @@ class FieldResult:
         """The chosen value's probability; None for a generated field."""
         return self.probabilities[self.value] if self.source == "scored" else None
 
+    @property
+    def raw_probabilities(self) -> dict[JSONScalar, float]:
+        """The rule's own probabilities (a softmax over `log_scores`), before any calibration."""
+        if not self.log_scores:
+            return {}
+        top = max(self.log_scores.values())
+        weights = {k: math.exp(s - top) for k, s in self.log_scores.items()}
+        total = sum(weights.values())
+        return {k: w / total for k, w in weights.items()}
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"value": self.value, "source": self.source}
         if self.source == "scored":
@@ -50,6 +68,8 @@ class FieldResult:
             out["margin"] = self.margin
             out["rule"] = self.rule
             out["rescored"] = self.rescored
+            out["calibration"] = self.calibration
+            out["abstained"] = self.abstained
         return out
 
 
@@ -95,10 +115,20 @@ class PCDResult(Generic[T]):
     fields: dict[str, FieldResult]
     diagnostics: Diagnostics
 
+    @property
+    def abstained_fields(self) -> list[str]:
+        """Paths of the fields whose confidence was below the request's `abstain_below`."""
+        return [path for path, f in self.fields.items() if f.abstained]
+
+    @property
+    def needs_review(self) -> bool:
+        return any(f.abstained for f in self.fields.values())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "value": self.value.model_dump(mode="json") if isinstance(self.value, BaseModel) else self.value,
             "fields": {path: f.to_json() for path, f in self.fields.items()},
+            "needs_review": self.needs_review,
         }
 
 

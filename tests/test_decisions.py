@@ -23,8 +23,8 @@ class CharPrompt:
     def encode_text(text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def render_head(self, system: str) -> tuple[int, ...]:
-        return tuple(self.encode_text(system))
+    def render_head(self, system: str, examples: tuple[tuple[str, str], ...] = ()) -> tuple[int, ...]:
+        return tuple(self.encode_text(system + "".join(text + answer for text, answer in examples)))
 
 
 class Ticket(BaseModel):
