@@ -5,9 +5,13 @@ only the names exported here: the engine, what its methods return or raise, and 
 adapters need before any model work.
 """
 
+from pcd_engine import metrics
 from pcd_engine.cache import PrefixCache
+from pcd_engine.calibration import Calibration, FieldCalibration, ModelIdentity
 from pcd_engine.engine import DEFAULT_RULE, PCDEngine
 from pcd_engine.errors import (
+    AbstentionError,
+    CalibrationError,
     InputError,
     ModelLoadError,
     PCDError,
@@ -27,16 +31,21 @@ from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRul
 __all__ = [
     "DEFAULT_RULE",
     "RULES",
+    "AbstentionError",
+    "Calibration",
+    "CalibrationError",
     "CodeRule",
     "CompiledSchema",
     "ContextualCalibration",
     "Diagnostics",
+    "FieldCalibration",
     "FieldResult",
     "Generation",
     "GenerationChunk",
     "GreedyRule",
     "InputError",
     "Limits",
+    "ModelIdentity",
     "ModelLoadError",
     "OptionRule",
     "OutputType",
@@ -53,6 +62,7 @@ __all__ = [
     "StructuredOutputError",
     "UnsupportedSchemaError",
     "compile_schema",
+    "metrics",
     "output_type",
     "require_closed",
 ]
