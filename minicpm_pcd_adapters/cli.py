@@ -1,11 +1,15 @@
-"""`pcd classify`: classify every line of a file into a Pydantic schema, one JSON line per input.
+"""`pcd`: classify a file, evaluate on labeled data, fit a calibration.
 
     pcd classify --schema examples/ticket.py:Ticket --input examples/tickets.txt \
-        --output out/tickets.jsonl --model smollm2
+        --output out/tickets.jsonl --model smollm2 [--calibration cal.json --abstain-below 0.6]
+    pcd evaluate --schema ... --input labeled.jsonl --model smollm2 [--fit 50] [--examples 4]
+    pcd calibrate --schema ... --input labeled.jsonl --output cal.json --model smollm2
 
-Input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a `text` key,
-or a string); any other file is plain text, one input per line. Every input line gets one output
-line: its value and probabilities, or an error record. No input is dropped.
+`classify` input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a
+`text` key, or a string); any other file is plain text, one input per line. Every input line gets one output
+line: its value and probabilities, or an error record. No input is dropped. `evaluate` and `calibrate`
+read labeled JSONL (`{"text": ..., "label": {field: value}}`); `evaluate` writes report.json and PNG
+plots (reliability diagram, coverage vs accuracy) to `--report`.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from minicpm_pcd_adapters import plots
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from minicpm_pcd_adapters.smollm2 import load_smollm2
-from pcd_engine import RULES, PCDEngine, PCDError
+from pcd_engine import RULES, Calibration, Evaluation, PCDEngine, PCDError, evaluate
 
 MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
 JSON_SUFFIXES = {".jsonl", ".ndjson", ".json"}
@@ -34,48 +39,105 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         schema = load_schema(args.schema)
+        calibration = Calibration.load(args.calibration) if getattr(args, "calibration", None) else None
+        labeled = (
+            read_labeled(Path(args.input), args.text_key, args.label_key)
+            if args.command != "classify"
+            else None
+        )
         engine = load_engine(
             args.model,
             device=args.device,
             dtype=args.dtype,
             rule=args.rule,
-            allow_generation=False if args.no_generation else None,
+            allow_generation=False if getattr(args, "no_generation", False) else None,
         )
         engine.plan(schema, instructions=args.instructions)  # schema errors before reading input
-    except (PCDError, ImportError, AttributeError, TypeError, ValueError) as error:
+    except (PCDError, ImportError, AttributeError, TypeError, ValueError, OSError) as error:
         print(f"pcd: error: {error}", file=sys.stderr)
         return 2
+    if args.command == "evaluate":
+        assert labeled is not None
+        return run_evaluate(engine, schema, labeled, args, calibration)
+    if args.command == "calibrate":
+        assert labeled is not None
+        return run_calibrate(engine, schema, labeled, args)
     records = read_inputs(Path(args.input), args.text_key)
-    written = classify_records(engine, schema, records, args.instructions, Path(args.output))
+    options = {"calibration": calibration, "abstain_below": args.abstain_below}
+    written = classify_records(engine, schema, records, args.instructions, Path(args.output), options)
     errors = sum(1 for r in written if r.get("error"))
-    print(f"pcd: {len(written) - errors} classified, {errors} errors -> {args.output}", file=sys.stderr)
+    review = sum(1 for r in written if r.get("needs_review"))
+    print(
+        f"pcd: {len(written) - errors} classified ({review} need review), {errors} errors -> {args.output}",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pcd", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pcd", description="Typed classification with parallel constrained decoding"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("classify", help="classify every line of a file")
-    run.add_argument("--schema", required=True, help="module:Class or path/to/file.py:Class")
-    run.add_argument("--input", required=True, help=".jsonl (objects with 'text', or strings) or text lines")
+    _common(run, "JSONL file to classify (objects with 'text', or strings) or text lines")
     run.add_argument("--output", required=True, help="JSONL file to write, one line per input")
-    run.add_argument(
-        "--model",
-        default="minicpm5-2b",
-        help=f"short name ({', '.join(MODELS)}), hub id, local folder or .gguf file "
-        f"(default: minicpm5-2b = {MINICPM5_2B.hub_id}@{MINICPM5_2B.revision})",
-    )
-    run.add_argument("--rule", choices=sorted(RULES), default=None, help="scoring rule (default: engine's)")
-    run.add_argument("--instructions", default=None, help="system instructions replacing the default")
-    run.add_argument("--text-key", default="text", help="key of the text in JSONL objects")
     run.add_argument(
         "--no-generation",
         action="store_true",
         help="refuse schemas with open fields (free text, numbers, lists) instead of generating them",
     )
-    run.add_argument("--device", default="auto")
-    run.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    run.add_argument("--calibration", default=None, help="a calibration JSON file from `pcd calibrate`")
+    run.add_argument(
+        "--abstain-below",
+        type=float,
+        default=None,
+        help="mark fields whose (calibrated) confidence is below this probability; their records say "
+        "needs_review",
+    )
+    evaluate = sub.add_parser("evaluate", help="measure accuracy and calibration on a labeled JSONL file")
+    _common(evaluate, 'labeled JSONL: {"text": ..., "label": {field: value}} per line')
+    evaluate.add_argument(
+        "--label-key", default="label", help="key of the label object (also read: 'labels')"
+    )
+    evaluate.add_argument("--calibration", default=None, help="evaluate with this calibration JSON file")
+    evaluate.add_argument(
+        "--fit", type=int, default=0, help="fit a calibration on the first N labeled lines (after the "
+        "examples) and score the rest, with and without it"
+    )  # fmt: skip
+    evaluate.add_argument("--method", default="auto", help="calibration method for --fit (default: auto)")
+    evaluate.add_argument(
+        "--examples", type=int, default=0, help="use the first N labeled lines as in-context examples "
+        "(in the cached head) and score the rest"
+    )  # fmt: skip
+    evaluate.add_argument("--report", default="out/evaluate", help="folder for report.json and the PNG plots")
+    calibrate = sub.add_parser("calibrate", help="fit a calibration from a (labeled or unlabeled) JSONL file")
+    _common(calibrate, 'JSONL: {"text": ..., "label": {...}} per line; without labels: batch calibration')
+    calibrate.add_argument(
+        "--label-key", default="label", help="key of the label object (also read: 'labels')"
+    )
+    calibrate.add_argument("--output", required=True, help="calibration JSON file to write")
+    calibrate.add_argument("--method", default="auto", help="auto, bias, temperature, batch or none")
+    calibrate.add_argument("--folds", type=int, default=5, help="cross-validation folds of the report")
     return parser
+
+
+def _common(parser: argparse.ArgumentParser, input_help: str) -> None:
+    parser.add_argument("--schema", required=True, help="module:Class or path/to/file.py:Class")
+    parser.add_argument("--input", required=True, help=input_help)
+    parser.add_argument(
+        "--model",
+        default="minicpm5-2b",
+        help=f"short name ({', '.join(MODELS)}), hub id, local folder or .gguf file "
+        f"(default: minicpm5-2b = {MINICPM5_2B.hub_id}@{MINICPM5_2B.revision})",
+    )
+    parser.add_argument(
+        "--rule", choices=sorted(RULES), default=None, help="scoring rule (default: engine's)"
+    )
+    parser.add_argument("--instructions", default=None, help="system instructions replacing the default")
+    parser.add_argument("--text-key", default="text", help="key of the text in JSONL objects")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
 
 
 def load_schema(spec: str) -> type[BaseModel]:
@@ -145,6 +207,7 @@ def classify_records(
     records: list[dict[str, Any]],
     instructions: str | None,
     output: Path,
+    options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     todo = [r for r in records if "error" not in r]
     with tqdm(total=len(todo), desc="classify", unit="text", file=sys.stderr) as bar:
@@ -154,6 +217,7 @@ def classify_records(
             instructions=instructions,
             return_exceptions=True,
             progress=bar.update,
+            **(options or {}),
         )
     for record, result in zip(todo, results, strict=True):
         if isinstance(result, PCDError):
@@ -167,6 +231,146 @@ def classify_records(
             record.pop("text", None)
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     return records
+
+
+def read_labeled(path: Path, text_key: str, label_key: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """(text, label or None) per line of a JSONL file; ValueError naming the line for a bad one."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: malformed JSON: {error}") from None
+            if not isinstance(value, dict) or not isinstance(value.get(text_key), str):
+                raise ValueError(f"{path}:{number}: expected an object with a string {text_key!r}")
+            label = value.get(label_key, value.get("labels"))
+            if label is not None and not isinstance(label, dict):
+                raise ValueError(f"{path}:{number}: {label_key!r} must be an object of field values")
+            rows.append((value[text_key], label))
+    if not rows:
+        raise ValueError(f"{path} has no input lines")
+    return rows
+
+
+def run_evaluate(
+    engine: PCDEngine,
+    schema: type[BaseModel],
+    rows: list[tuple[str, dict[str, Any] | None]],
+    args: argparse.Namespace,
+    calibration: Calibration | None,
+) -> int:
+    if any(label is None for _, label in rows):
+        print("pcd: error: every line needs a label to evaluate", file=sys.stderr)
+        return 2
+    if args.examples + args.fit >= len(rows):
+        print(
+            f"pcd: error: --examples + --fit must leave lines to score ({len(rows)} lines)", file=sys.stderr
+        )
+        return 2
+    shots = [(text, label) for text, label in rows[: args.examples]]
+    fitting = rows[args.examples : args.examples + args.fit]
+    scoring = rows[args.examples + args.fit :]
+    options: dict[str, Any] = {"instructions": args.instructions, "examples": shots}
+    report = Path(args.report)
+    try:
+        with tqdm(total=len(scoring), desc="evaluate", unit="text", file=sys.stderr) as bar:
+            base = evaluate(
+                engine,
+                schema,
+                [t for t, _ in scoring],
+                [y for _, y in scoring],
+                progress=bar.update,
+                **options,
+            )
+        variants = {"uncalibrated": base}
+        if calibration is not None:
+            calibration.check(engine.plan(schema, **options), engine.model_identity)
+            variants["calibrated"] = base.recalibrated(calibration)
+        if fitting:
+            fitted = engine.calibrate(
+                schema, [t for t, _ in fitting], [y for _, y in fitting], method=args.method, **options
+            )
+            report.mkdir(parents=True, exist_ok=True)
+            fitted.save(report / "calibration.json")
+            variants[f"calibrated on {len(fitting)}"] = base.recalibrated(fitted)
+    except PCDError as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    out = {name: e.to_json() for name, e in variants.items()}
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "report.json").write_text(
+        json.dumps(out, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    for name, e in variants.items():
+        slug = name.replace(" ", "_")
+        plots.reliability_diagram(e, report / f"reliability_{slug}.png", f"reliability ({name})")
+        plots.coverage_plot(e, report / f"coverage_{slug}.png", f"coverage vs accuracy ({name})")
+        print(summary_table(name, e))
+    print(f"pcd: report and plots -> {report}", file=sys.stderr)
+    return 0
+
+
+def summary_table(name: str, evaluation: Evaluation) -> str:
+    """A plain-text table: one line per field, then the means and the exact-object accuracy."""
+    lines = [f"== {name}", f"{'field':<28}{'n':>6}{'acc':>8}{'macroF1':>9}{'ECE':>8}{'majority':>10}"]
+    for path, f in evaluation.fields.items():
+        r = f.report()
+        if r["n"]:
+            row = f"{path:<28}{r['n']:>6}{r['accuracy']:>8.3f}{r['macro_f1']:>9.3f}{r['ece']:>8.3f}"
+            lines.append(row + f"{r['majority']:>10.3f}")
+    s = evaluation.summary
+    if s["field_accuracy"] is not None:
+        mean = (
+            f"{'mean':<28}{'':>6}{s['field_accuracy']:>8.3f}{s['field_macro_f1']:>9.3f}{s['field_ece']:>8.3f}"
+        )
+        lines.append(mean + f"{s['field_majority']:>10.3f}")
+    exact = "n/a" if s["exact_accuracy"] is None else f"{s['exact_accuracy']:.3f}"
+    lines.append(
+        f"exact object accuracy {exact}; {s['answered']}/{s['texts']} answered, {s['errors']} errors"
+    )
+    return "\n".join(lines)
+
+
+def run_calibrate(
+    engine: PCDEngine,
+    schema: type[BaseModel],
+    rows: list[tuple[str, dict[str, Any] | None]],
+    args: argparse.Namespace,
+) -> int:
+    labeled = any(label is not None for _, label in rows)
+    labels = [label or {} for _, label in rows] if labeled else None
+    try:
+        with tqdm(total=len(rows), desc="calibrate", unit="text", file=sys.stderr) as bar:
+            fitted = engine.calibrate(
+                schema,
+                [text for text, _ in rows],
+                labels,
+                method=args.method,
+                folds=args.folds,
+                instructions=args.instructions,
+                progress=bar.update,
+            )
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fitted.save(output)
+    except (PCDError, OSError) as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    for path, report in fitted.report["fields"].items():
+        if "before" in report:
+            before, after = report["before"], report["after"]
+            print(
+                f"{path:<28} {report['method']:<12} "
+                f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+                f"  ECE {before['ece']:.3f} -> {after['ece']:.3f}  (cross-validated, n={report['n']})"
+            )
+        else:
+            print(f"{path:<28} {report['method']:<12} n={report['n']}")
+    print(f"pcd: calibration -> {args.output}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

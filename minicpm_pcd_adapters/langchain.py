@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, sampling_for, structured_request
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
-from pcd_engine import PCDEngine, PCDError, PCDResult, output_type, require_closed
+from pcd_engine import Calibration, PCDEngine, PCDError, PCDResult, output_type, require_closed
 
 METHODS = ("json_schema", "function_calling", "json_mode", "pcd")
 SCHEMA_KEY = "pcd_schema"  # bound kwargs of a structured call
@@ -68,7 +68,9 @@ class ChatMiniCPM(BaseChatModel):
     `model` is a hub id (pinned `revision`), a local folder or a GGUF file (`gguf_file`); or pass
     `engine`, an already loaded `PCDEngine`, so that several chat models share one model. Decoding is
     greedy unless `temperature` > 0 (MiniCPM5 recommends temperature 1.0, top_p 0.95, min_p 0.0 for
-    sampled chat).
+    sampled chat). `calibration` (from `engine.calibrate`, fitted with the same schema and system
+    message) and `abstain_below` apply to structured answers; the message's `response_metadata["pcd"]`
+    then says which fields abstained (`abstained_fields`, `needs_review`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -85,6 +87,8 @@ class ChatMiniCPM(BaseChatModel):
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    calibration: Calibration | None = Field(default=None, exclude=True)  # for the structured schema
+    abstain_below: float | None = None  # structured fields below this confidence: needs_review
 
     _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
@@ -204,6 +208,8 @@ class ChatMiniCPM(BaseChatModel):
                 instructions=instructions,
                 allow_generation=request.method != "pcd",
                 sampling=sampling_for(self, {}),
+                calibration=self.calibration,
+                abstain_below=self.abstain_below,
                 return_exceptions=True,
             )
             for n, result in zip(indices, results, strict=True):
@@ -234,6 +240,8 @@ class ChatMiniCPM(BaseChatModel):
                     "forward_calls": d.forward_calls,
                     "cached_tokens": d.cached_tokens,
                     "attempts": d.attempts,
+                    "abstained_fields": result.abstained_fields,
+                    "needs_review": result.needs_review,
                 },
             },
         )

@@ -49,7 +49,7 @@ from llama_index.core.types import BasePydanticProgram, Model
 
 from minicpm_pcd_adapters.messages import sampling_for, structured_request
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
-from pcd_engine import PCDEngine, PCDResult, Sampling, require_closed
+from pcd_engine import Calibration, PCDEngine, PCDResult, Sampling, require_closed
 
 dispatcher = get_dispatcher(__name__)
 
@@ -73,6 +73,12 @@ class MiniCPMLLM(CustomLLM):
     min_p: float = Field(default=0.0)
     repetition_penalty: float = Field(default=1.0)
     seed: int | None = Field(default=None, description="Seed for sampled decoding (temperature > 0).")
+    calibration: Calibration | None = Field(
+        default=None, exclude=True, description="Calibration (engine.calibrate) for structured answers."
+    )
+    abstain_below: float | None = Field(
+        default=None, description="Structured fields below this confidence are marked abstained."
+    )
 
     _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
@@ -285,6 +291,8 @@ class MiniCPMPCDProgram(BasePydanticProgram[Model]):
             instructions=instructions,
             allow_generation=self._allow_generation,
             sampling=self._llm.sampling(**(llm_kwargs or {})),
+            calibration=self._llm.calibration,
+            abstain_below=self._llm.abstain_below,
         )
         self.last_result = result
         if self._verbose:

@@ -20,6 +20,7 @@ from pcd_engine.errors import (
     StructuredOutputError,
     UnsupportedSchemaError,
 )
+from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate
 from pcd_engine.generate import Sampling
 from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.plan import SchemaPlan
@@ -38,7 +39,9 @@ __all__ = [
     "CompiledSchema",
     "ContextualCalibration",
     "Diagnostics",
+    "Evaluation",
     "FieldCalibration",
+    "FieldEvaluation",
     "FieldResult",
     "Generation",
     "GenerationChunk",
@@ -62,6 +65,7 @@ __all__ = [
     "StructuredOutputError",
     "UnsupportedSchemaError",
     "compile_schema",
+    "evaluate",
     "metrics",
     "output_type",
     "require_closed",

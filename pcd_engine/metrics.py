@@ -17,6 +17,7 @@ from typing import Any
 
 Rows = Sequence[Sequence[float]]
 ECE_BINS = 10
+FIGURES = ("accuracy", "macro_f1", "ece", "log_loss")  # what field_report gives besides the count
 
 
 def predictions(probabilities: Rows) -> list[int]:

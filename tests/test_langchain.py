@@ -195,3 +195,25 @@ def test_default_model_loads_minicpm5_at_the_pinned_revision(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="12a3808a956f869c767195e9266b59c4d21d92e2"):
         ChatMiniCPM().load()  # offline here: the error names the pinned revision to download
+
+
+@pytest.mark.slow
+def test_calibration_and_abstention_reach_the_structured_answer():
+    engine = smollm2_engine()
+    labels = [
+        {"topic": "billing", "refund_requested": True},
+        {"topic": "delivery", "refund_requested": False},
+        {"topic": "technical", "refund_requested": False},
+        {"topic": "account", "refund_requested": False},
+    ]
+    cal = engine.calibrate(Ticket, TEXTS, labels, method="temperature", folds=2)
+    llm = ChatMiniCPM(engine=engine, model=SMOLLM2, calibration=cal, abstain_below=1.0)
+    out = llm.with_structured_output(Ticket, include_raw=True).invoke(TEXTS[0])
+    want = engine.classify(TEXTS[0], Ticket, calibration=cal, abstain_below=1.0)
+    assert out["parsed"] == want.value
+    meta = out["raw"].response_metadata["pcd"]
+    assert meta["needs_review"] and meta["abstained_fields"] == ["topic", "refund_requested"]
+    assert meta["fields"]["topic"]["calibration"] == "temperature"
+    assert meta["fields"]["topic"]["probabilities"] == pytest.approx(
+        {k: v for k, v in want.fields["topic"].probabilities.items()}
+    )

@@ -144,3 +144,19 @@ async def test_plain_chat_and_completion(llm):
     assert completion.text == whole.message.content
     pieces = [r async for r in await llm.astream_complete("Count from 1 to 10.")]
     assert pieces[-1].text == completion.text
+
+
+@pytestmark_slow
+def test_calibration_and_abstention_reach_the_program(llm):
+    engine = llm.engine
+    texts = [TEXT, "Where is my parcel?", "The app crashes.", "Delete my account."]
+    labels = [{"topic": t} for t in ("billing", "delivery", "technical", "account")]
+    template = PromptTemplate("{text}")
+    cal = engine.calibrate(Ticket, texts, labels, method="temperature", folds=2)
+    calibrated = MiniCPMLLM(engine=engine, model="SmolLM2-135M-Instruct", calibration=cal, abstain_below=1.0)
+    program = MiniCPMPCDProgram.from_defaults(Ticket, prompt=template, llm=calibrated)
+    value = program(text=TEXT)
+    want = engine.classify(TEXT, Ticket, calibration=cal, abstain_below=1.0)
+    assert value == want.value and program.last_result.needs_review
+    assert program.last_result.fields["topic"].calibration == "temperature"
+    assert program.last_result.fields["topic"].probabilities == want.fields["topic"].probabilities

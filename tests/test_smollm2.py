@@ -149,7 +149,50 @@ def test_cli_reports_schema_errors_before_loading_anything(tmp_path):
 
 def pcd(*args: object) -> subprocess.CompletedProcess[str]:
     """Run the `pcd classify` command line on the offline model."""
-    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", "classify", "--model", "smollm2"]
-    return subprocess.run(
-        [*command, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
-    )
+    return run_pcd("classify", "--model", "smollm2", *args)
+
+
+def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
+    """`pcd calibrate` fits and saves a calibration from the labeled file; `pcd evaluate` reports
+    figures and writes plots with and without it; `pcd classify --calibration` applies it."""
+    labeled = "examples/tickets_labeled.jsonl"
+    common = ["--schema", "examples/ticket.py:Ticket", "--input", labeled, "--model", "smollm2"]
+    saved = tmp_path / "cal.json"
+    fitted = run_pcd("calibrate", *common, "--output", saved, "--folds", "4")
+    assert fitted.returncode == 0, fitted.stderr
+    assert "(cross-validated, n=16)" in fitted.stdout and saved.exists()
+    report_dir = tmp_path / "report"
+    measured = run_pcd("evaluate", *common, "--calibration", saved, "--fit", "8", "--report", report_dir)
+    assert measured.returncode == 0, measured.stderr
+    assert "== uncalibrated" in measured.stdout and "== calibrated on 8" in measured.stdout
+    report = json.loads((report_dir / "report.json").read_text())
+    assert set(report) == {"uncalibrated", "calibrated", "calibrated on 8"}
+    summary = report["uncalibrated"]["summary"]
+    assert summary["texts"] == 8 and summary["answered"] == 8  # 8 fitted, 8 scored
+    topic = report["uncalibrated"]["fields"]["topic"]
+    assert sum(map(sum, topic["confusion"]["counts"])) == 8
+    assert topic["coverage_accuracy"][0]["coverage"] == 1.0
+    for name in ("reliability_uncalibrated.png", "coverage_calibrated_on_8.png"):
+        assert (report_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "o.jsonl"
+    classified = pcd(
+        "--schema", "examples/ticket.py:Ticket", "--input", labeled, "--output", out,
+        "--calibration", saved, "--abstain-below", "0.99",
+    )  # fmt: skip
+    assert classified.returncode == 0, classified.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 16 and all(r["needs_review"] for r in records)
+    assert {f["calibration"] for r in records for f in r["fields"].values()} <= {
+        "bias",
+        "temperature",
+        "batch",
+        "none",
+    }
+    wrong = run_pcd("evaluate", "--schema", "examples/ticket.py:TriagedTicket", "--input", labeled,
+                    "--model", "smollm2", "--calibration", saved, "--report", report_dir)  # fmt: skip
+    assert wrong.returncode == 2 and "another schema" in wrong.stderr
+
+
+def run_pcd(*args: object) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", *map(str, args)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
