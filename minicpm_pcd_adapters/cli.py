@@ -276,6 +276,8 @@ def run_evaluate(
     options: dict[str, Any] = {"instructions": args.instructions, "examples": shots}
     report = Path(args.report)
     try:
+        if calibration is not None:  # before any model work
+            calibration.check(engine.plan(schema, **options), engine.model_identity)
         with tqdm(total=len(scoring), desc="evaluate", unit="text", file=sys.stderr) as bar:
             base = evaluate(
                 engine,
@@ -287,7 +289,6 @@ def run_evaluate(
             )
         variants = {"uncalibrated": base}
         if calibration is not None:
-            calibration.check(engine.plan(schema, **options), engine.model_identity)
             variants["calibrated"] = base.recalibrated(calibration)
         if fitting:
             fitted = engine.calibrate(
