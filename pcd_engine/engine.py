@@ -72,7 +72,9 @@ class PCDEngine:
     margin is below `rescore_margin` are scored again on it, so close calls match FP32), `self_check`
     (for a model not in float32: compare packed and separate passes on a fixed probe at start-up and
     raise PrecisionCheckError if they disagree; the report is `engine.precision_check`),
-    `abstain_below` (default abstention threshold of `classify` calls; None: never abstain).
+    `abstain_below` (default abstention threshold of `classify` calls; None: never abstain),
+    `branch_wording` ("json": a branch continues the answer as a JSON object, `{"topic": "billing"}`;
+    "plain": as a `topic: billing` line, the label after a space).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class PCDEngine:
         rescore_margin: float = 0.2,
         self_check: bool = True,
         abstain_below: float | None = None,
+        branch_wording: str = "json",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -118,7 +121,7 @@ class PCDEngine:
             self.rescorer = precision.FP32Rescorer(
                 reference_model, rescore_margin, budget, cached, self.prompt
             )
-        self._plans = PlanCache(self.prompt, self.limits, self.filler.check)
+        self._plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording)
         self.precision_check: precision.SelfCheck | None = None
         if self_check and self.runner.dtype != torch.float32:
             probe = self.plan(precision.ProbeTicket, rule="option", allow_generation=False)

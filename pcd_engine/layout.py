@@ -2,7 +2,9 @@
 
 A branch continues the assistant turn the way AR JSON would, as a one-field JSON object:
 `{"shipping": {"method": ` followed by a candidate and the closing braces (`"air"}}`). The closing
-braces are the terminator that makes candidates prefix-free (`1}` vs `10}`).
+braces are the terminator that makes candidates prefix-free (`1}` vs `10}`). The "plain" wording
+writes `shipping.method:` followed by ` air` and a newline instead (a label then starts with a
+space, as a word does in running text); docs/benchmarks.md compares the two.
 
 With codes (the `code` rule) a string field lists its values under single-token codes and the
 candidates become `"A"}`, `"B"}`, ...
@@ -30,12 +32,44 @@ MIXED_INSTRUCTIONS = (
 CODES = tuple(string.ascii_uppercase + string.ascii_lowercase + string.digits)
 
 
-def branch_text(json_keys: Sequence[str]) -> str:
+WORDINGS = ("json", "plain")
+PLAIN_INSTRUCTIONS = (
+    "Classify the text in the user's message. Reply with one line per field below, as `field: value`, "
+    "choosing each value only from the allowed ones."
+)
+
+
+def branch_text(json_keys: Sequence[str], wording: str = "json") -> str:
+    if wording == "plain":
+        return ".".join(json_keys) + ":"
     return "".join("{" + json.dumps(k, ensure_ascii=False) + ": " for k in json_keys)
 
 
-def candidate_text(json_value: str, depth: int) -> str:
+def candidate_text(json_value: str, depth: int, wording: str = "json") -> str:
+    if wording == "plain":
+        return " " + plain_value(json.loads(json_value)) + "\n"
     return json_value + "}" * depth
+
+
+def plain_value(value: object) -> str:
+    """A value as the plain wording writes it: strings without quotes (escaped as in JSON, so a
+    newline cannot end the line early), other values as JSON."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text[1:-1] if isinstance(value, str) else text
+
+
+def plain_answer(compiled: CompiledSchema, answer: str) -> str:
+    """An example's answer JSON in the plain wording: one `field: value` line per decision."""
+    data = json.loads(answer)
+    lines = []
+    for d in compiled.decisions:
+        node = data
+        keys = d.json_keys[:-1] if d.option is not None else d.json_keys
+        for key in keys:
+            node = node[key]
+        value = d.option in node if d.option is not None else node
+        lines.append(f"{'.'.join(d.json_keys)}: {plain_value(value)}")
+    return "\n".join(lines)
 
 
 def code_candidates(candidates: Sequence[Candidate]) -> tuple[str, ...] | None:
@@ -50,6 +84,7 @@ def system_text(
     instructions: str | None,
     codes: Mapping[int, Sequence[str]] | None = None,
     open_allowed: Mapping[str, str] | None = None,
+    wording: str = "json",
 ) -> str:
     """The per-schema system message: instructions, the model's docstring, one line per field.
 
@@ -57,7 +92,8 @@ def system_text(
     declaration order, closed and open alike.
     """
     codes = codes or {}
-    lines = [instructions or (DEFAULT_INSTRUCTIONS if not compiled.open_fields else MIXED_INSTRUCTIONS)]
+    default = DEFAULT_INSTRUCTIONS if wording == "json" else PLAIN_INSTRUCTIONS
+    lines = [instructions or (default if not compiled.open_fields else MIXED_INSTRUCTIONS)]
     if compiled.description:
         lines.append(compiled.description)
     lines.append("")

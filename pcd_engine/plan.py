@@ -20,7 +20,14 @@ from typing import Any
 from pcd_engine.branches import TokenTree, build_tree
 from pcd_engine.errors import SchemaLimitError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
-from pcd_engine.layout import branch_text, candidate_text, code_candidates, system_text
+from pcd_engine.layout import (
+    WORDINGS,
+    branch_text,
+    candidate_text,
+    code_candidates,
+    plain_answer,
+    system_text,
+)
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.schema import CompiledSchema, Decision, Limits
 from pcd_engine.scoring import OptionRule, Rule
@@ -40,14 +47,16 @@ class SchemaPlan:
     head: tuple[int, ...]
     decisions: tuple[DecisionPlan, ...]
     json_schema: dict[str, Any] | None = None  # the model's JSON schema (capped), when it has open fields
-    examples: tuple[tuple[str, str], ...] = ()  # (text, answer JSON) turns rendered into the head
+    examples: tuple[tuple[str, str], ...] = ()  # (text, answer) turns rendered into the head
+    wording: str = "json"  # how branches write a value (layout.WORDINGS)
 
     @cached_property
     def fingerprint(self) -> str:
-        """What scores depend on besides the model and rule: every decision's path and values, and the
-        whole head text (instructions, descriptions, examples). Calibrations are keyed by it."""
+        """What scores depend on besides the model and rule: every decision's path and values, the
+        whole head text (instructions, descriptions, examples) and the branch wording. Calibrations
+        are keyed by it."""
         decisions = [[d.decision.path, [c.json for c in d.decision.candidates]] for d in self.decisions]
-        text = json.dumps([decisions, self.system, self.examples], ensure_ascii=False)
+        text = json.dumps([decisions, self.system, self.examples, self.wording], ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
     @cached_property
@@ -74,10 +83,17 @@ class PlanCache:
     every new plan with open fields (their grammar must compile) before it is kept."""
 
     def __init__(
-        self, prompt: ChatPrompt, limits: Limits, check: Callable[[SchemaPlan], None] | None = None
+        self,
+        prompt: ChatPrompt,
+        limits: Limits,
+        check: Callable[[SchemaPlan], None] | None = None,
+        wording: str = "json",
     ) -> None:
+        if wording not in WORDINGS:
+            raise ValueError(f"unknown branch wording {wording!r}; choose one of {WORDINGS}")
         self.prompt = prompt
         self.limits = limits
+        self.wording = wording
         self.check = check
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
         self._lock = threading.Lock()
@@ -93,7 +109,7 @@ class PlanCache:
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(compiled, self.prompt, rule, instructions, self.limits, examples)
+            plan = build_plan(compiled, self.prompt, rule, instructions, self.limits, examples, self.wording)
             if plan.json_schema is not None and self.check is not None:
                 self.check(plan)
             with self._lock:
@@ -108,6 +124,7 @@ def build_plan(
     instructions: str | None,
     limits: Limits,
     examples: tuple[tuple[str, str], ...] = (),
+    wording: str = "json",
 ) -> SchemaPlan:
     plans, codes = [], {}
     for decision in compiled.decisions:
@@ -117,13 +134,13 @@ def build_plan(
             plans.append(DecisionPlan(decision, None, rule))
             continue
         if rule.uses_codes and not field.multi_label:
-            coded = _code_tree(prompt, decision, depth)
+            coded = _code_tree(prompt, decision, depth, wording)
             if coded is not None:
                 codes[decision.field_index] = coded[1]
                 plans.append(DecisionPlan(decision, coded[0], rule))
                 continue
-        texts = [candidate_text(c.json, depth) for c in decision.candidates]
-        tree = build_tree(prompt.encode_text, branch_text(decision.json_keys), texts)
+        texts = [candidate_text(c.json, depth, wording) for c in decision.candidates]
+        tree = build_tree(prompt.encode_text, branch_text(decision.json_keys, wording), texts)
         _check_lengths(tree, decision, limits)
         fallback = OptionRule("sum") if rule.uses_codes else rule
         plans.append(DecisionPlan(decision, tree, fallback))
@@ -132,11 +149,13 @@ def build_plan(
         schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
         defs = schema.get("$defs", {})
         described = {f.path: describe(field_schema(schema, f.json_keys), defs) for f in compiled.open_fields}
-    system = system_text(compiled, instructions, codes, described)
+    system = system_text(compiled, instructions, codes, described, wording)
     if codes and examples:  # the examples answer the way the branches do: with the codes
         examples = tuple((text, _coded(answer, compiled, codes)) for text, answer in examples)
+    if wording == "plain" and not compiled.open_fields:
+        examples = tuple((text, plain_answer(compiled, answer)) for text, answer in examples)
     head = prompt.render_head(system, examples)
-    return SchemaPlan(compiled, system, head, tuple(plans), schema, examples)
+    return SchemaPlan(compiled, system, head, tuple(plans), schema, examples, wording)
 
 
 def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:
@@ -153,13 +172,13 @@ def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ..
 
 
 def _code_tree(
-    prompt: ChatPrompt, decision: Decision, depth: int
+    prompt: ChatPrompt, decision: Decision, depth: int, wording: str
 ) -> tuple[TokenTree, tuple[str, ...]] | None:
     codes = code_candidates(decision.candidates)
     if codes is None:
         return None
-    texts = [candidate_text(code, depth) for code in codes]
-    tree = build_tree(prompt.encode_text, branch_text(decision.json_keys), texts)
+    texts = [candidate_text(code, depth, wording) for code in codes]
+    tree = build_tree(prompt.encode_text, branch_text(decision.json_keys, wording), texts)
     firsts = [path[0][1] for path in tree.paths]
     return (tree, codes) if len(set(firsts)) == len(firsts) else None
 

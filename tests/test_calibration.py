@@ -277,3 +277,20 @@ def test_code_rule_examples_answer_with_codes(engine):
     assert plan.examples == ((TEXTS[0], '{"topic": "A", "urgent": true}'),)
     decoded = engine.tokenizer.decode(list(plan.head))
     assert '{"topic": "A", "urgent": true}' in decoded
+
+
+def test_the_plain_wording_writes_field_lines_and_scores_labels_after_a_space(tiny_model, tiny_tokenizer):
+    plain = PCDEngine(tiny_model, tiny_tokenizer, branch_wording="plain")
+    plan = plain.plan(Tagged, examples=[(TEXTS[0], {"topic": "billing", "tags": ["refund"]})])
+    decode = tiny_tokenizer.decode
+    topic = plan.trees[0]
+    assert [decode(list(topic.continuation(c))) for c in range(3)] == [" billing\n", " crash\n", " other\n"]
+    assert plan.examples[0][1] == "topic: billing\ntags.refund: true\ntags.bug: false"
+    assert "field: value" in plan.system
+    json_plan = PCDEngine(tiny_model, tiny_tokenizer).plan(Tagged)
+    assert decode(list(json_plan.trees[0].continuation(0))) == 'billing"}'  # the quote joins the prefix
+    assert plan.fingerprint != json_plan.fingerprint
+    result = plain.classify(TEXTS[0], Tagged)
+    assert set(result.fields) == {"topic", "tags[refund]", "tags[bug]"}
+    with pytest.raises(ValueError, match="unknown branch wording"):
+        PCDEngine(tiny_model, tiny_tokenizer, branch_wording="yaml")
