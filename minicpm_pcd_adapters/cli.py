@@ -26,7 +26,6 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
-from minicpm_pcd_adapters import plots
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from minicpm_pcd_adapters.smollm2 import load_smollm2
 from pcd_engine import RULES, Calibration, Evaluation, PCDEngine, PCDError, evaluate
@@ -264,6 +263,13 @@ def run_evaluate(
 ) -> int:
     if any(label is None for _, label in rows):
         print("pcd: error: every line needs a label to evaluate", file=sys.stderr)
+        return 2
+    try:
+        from minicpm_pcd_adapters import plots  # matplotlib: the [eval] extra
+    except ImportError as error:
+        print(
+            f"pcd: error: {error}; install the plots with: pip install 'minicpm-pcd[eval]'", file=sys.stderr
+        )
         return 2
     if args.examples + args.fit >= len(rows):
         print(
