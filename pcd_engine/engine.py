@@ -301,12 +301,7 @@ class PCDEngine:
                 raise CalibrationError(f"{len(texts)} texts but {len(labels)} labels")
             for index, label in enumerate(labels):  # label errors before any model work
                 calibration.decision_labels(plan.compiled, label, index)
-        items = render_all(self.prompt, plan, list(texts), self.limits, False, True)
-        requests = [item for item in items if isinstance(item, Request)]
-        self._score(plan, requests)
-        if self.rescorer is not None:
-            for request in requests:
-                self.rescorer.rescore(plan, request)
+        items = self._decided(plan, list(texts), single=False, return_exceptions=True)
         if progress is not None:
             progress(len(items))
         per_text = [item.fields if isinstance(item, Request) else None for item in items]
@@ -397,23 +392,10 @@ class PCDEngine:
             options.calibration.check(plan, self.model_identity)
         if options.batch_calibration and len(texts) < 2:
             raise CalibrationError("calibrate='batch' needs a batch of at least 2 texts")
-        # 1. render every input: a bad one fails here (or takes its place), before any model work
-        items = render_all(self.prompt, plan, texts, self.limits, single, return_exceptions)
+        items = self._decided(plan, texts, single, return_exceptions)  # phases 1 to 3
         requests = [item for item in items if isinstance(item, Request)]
-        # 2. score the closed fields in packed passes, several requests per forward call
-        self._score(plan, requests)
-        # 3. re-score close calls on the FP32 reference model
-        if self.rescorer is not None:
-            for request in requests:
-                self.rescorer.rescore(plan, request)
-        # 4. calibrate the scored fields (a fitted calibration, or one fitted on this batch), abstain
-        maps = options.calibration.fields if options.calibration is not None else None
-        if options.batch_calibration and requests:
-            maps = calibration.batch_maps(plan, [r.fields for r in requests])
-        for request in requests:
-            request.fields = calibration.apply_all(maps or {}, request.fields)
-            if options.abstain_below is not None:
-                request.fields = calibration.abstain(request.fields, options.abstain_below)
+        # 4. calibrate the scored fields, mark those below the abstention threshold
+        self._calibrate(plan, requests, options)
         # 5. the answer: the scored values alone, or with the open fields generated after them
         if plan.json_schema is None:
             for item in items:
@@ -427,6 +409,32 @@ class PCDEngine:
                 progress(len(items) - len(requests))
         # 6. one result or error per input, in order
         return in_order(items, target.to_output, return_exceptions, options.on_abstain == "raise")
+
+    def _decided(
+        self, plan: SchemaPlan, texts: Sequence[Any], single: bool, return_exceptions: bool
+    ) -> list[Request | PCDError]:
+        """Phases 1 to 3: every input rendered (or its error), its scored fields decided."""
+        # 1. render every input: a bad one fails here (or takes its place), before any model work
+        items = render_all(self.prompt, plan, texts, self.limits, single, return_exceptions)
+        requests = [item for item in items if isinstance(item, Request)]
+        # 2. score the closed fields in packed passes, several requests per forward call
+        self._score(plan, requests)
+        # 3. re-score close calls on the FP32 reference model
+        if self.rescorer is not None:
+            for request in requests:
+                self.rescorer.rescore(plan, request)
+        return items
+
+    def _calibrate(self, plan: SchemaPlan, requests: Sequence[Request], options: RequestOptions) -> None:
+        """Phase 4: the request's calibration, or one fitted on this batch's own scores; then
+        abstention."""
+        maps = options.calibration.fields if options.calibration is not None else {}
+        if options.batch_calibration and requests:
+            maps = calibration.batch_maps(plan, [r.fields for r in requests])
+        for request in requests:
+            request.fields = calibration.apply_all(maps, request.fields)
+            if options.abstain_below is not None:
+                request.fields = calibration.abstain(request.fields, options.abstain_below)
 
     def _abstain_below(self, value: float | None) -> float | None:
         return self.abstain_below if value is None else value
