@@ -6,8 +6,12 @@
     pcd calibrate --schema ... --input labeled.jsonl --output cal.json --model smollm2
 
 `classify` input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a
-`text` key, or a string); any other file is plain text, one input per line. Every input line gets one output
-line: its value and probabilities, or an error record. No input is dropped. `evaluate` and `calibrate`
+`text` key, or a string); any other file is plain text, one input per line. Every input line gets one
+output record with its line number (and `id`): its value and probabilities, or an error record. No
+input is dropped. Inputs are read lazily and written a `--batch-size` chunk at a time (files.py);
+`--resume` finishes an interrupted run; SIGINT / SIGTERM stop after the current chunk. Exit codes: 0
+every input answered, 1 some inputs got error records, 2 usage, path or schema errors (before the
+model loads), 130 stopped by a signal. `evaluate` and `calibrate`
 read labeled JSONL (`{"text": ..., "label": {field: value}}`); `evaluate` writes report.json and PNG
 plots (reliability diagram, coverage vs accuracy) to `--report`.
 """
@@ -18,7 +22,10 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,17 +33,18 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from minicpm_pcd_adapters.files import classify_file, count_lines
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from minicpm_pcd_adapters.smollm2 import load_smollm2
 from pcd_engine import RULES, Calibration, Evaluation, PCDEngine, PCDError, evaluate
 
 MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
-JSON_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        check_paths(args)
         schema = load_schema(args.schema)
         calibration = Calibration.load(args.calibration) if getattr(args, "calibration", None) else None
         labeled = (
@@ -61,16 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "calibrate":
         assert labeled is not None
         return run_calibrate(engine, schema, labeled, args)
-    records = read_inputs(Path(args.input), args.text_key)
-    options = {"calibration": calibration, "abstain_below": args.abstain_below}
-    written = classify_records(engine, schema, records, args.instructions, Path(args.output), options)
-    errors = sum(1 for r in written if r.get("error"))
-    review = sum(1 for r in written if r.get("needs_review"))
-    print(
-        f"pcd: {len(written) - errors} classified ({review} need review), {errors} errors -> {args.output}",
-        file=sys.stderr,
-    )
-    return 0
+    return run_classify(engine, schema, args, calibration)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         "--no-generation",
         action="store_true",
         help="refuse schemas with open fields (free text, numbers, lists) instead of generating them",
+    )
+    run.add_argument("--batch-size", type=int, default=32, help="inputs per engine batch; each batch's "
+                     "records are written as it completes (default 32)")  # fmt: skip
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip inputs already answered in --output (a torn last record is redone) and append",
     )
     run.add_argument("--calibration", default=None, help="a calibration JSON file from `pcd calibrate`")
     run.add_argument(
@@ -167,69 +173,65 @@ def load_engine(model: str, **options: Any) -> PCDEngine:
     return PCDEngine.from_pretrained(model, **options)
 
 
-def read_inputs(path: Path, text_key: str) -> list[dict[str, Any]]:
-    """One record per line: {"line", "text"} or {"line", "error"}; an `id` key is carried along."""
-    records = []
-    as_json = path.suffix.lower() in JSON_SUFFIXES
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            line = line.rstrip("\r\n")
-            record: dict[str, Any] = {"line": number}
-            try:
-                text, extra = _parse_line(line, as_json, text_key)
-                record.update(extra, text=text)
-            except ValueError as error:
-                record["error"] = {"type": "InputError", "message": str(error)}
-            records.append(record)
-    return records
+def check_paths(args: argparse.Namespace) -> None:
+    """Input and output paths, checked before the model loads (OSError / ValueError)."""
+    source = Path(args.input)
+    if not source.is_file():
+        raise FileNotFoundError(f"--input {source}: no such file")
+    with source.open("rb"):
+        pass  # readable
+    target = getattr(args, "output", None)
+    if args.command == "classify" and getattr(args, "batch_size", 1) < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if target is None:
+        return
+    target = Path(target)
+    if target.is_dir():
+        raise IsADirectoryError(f"--output {target} is a folder; name a file")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise PermissionError(f"--output {target}: not writable")
 
 
-def _parse_line(line: str, as_json: bool, text_key: str) -> tuple[str, dict[str, Any]]:
-    if not line.strip():
-        raise ValueError("empty line")
-    if not as_json:
-        return line, {}
+def run_classify(
+    engine: PCDEngine, schema: type[BaseModel], args: argparse.Namespace, calibration: Calibration | None
+) -> int:
+    """Exit codes: 0 every input answered, 1 some inputs got error records, 130 stopped by a signal
+    (rerun with --resume to finish)."""
+    source, output = Path(args.input), Path(args.output)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        value = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"malformed JSON: {error}") from None
-    if isinstance(value, str):
-        return value, {}
-    if isinstance(value, dict) and isinstance(value.get(text_key), str):
-        return value[text_key], ({"id": value["id"]} if "id" in value else {})
-    raise ValueError(f"expected a JSON string or an object with a string {text_key!r}")
-
-
-def classify_records(
-    engine: PCDEngine,
-    schema: type[BaseModel],
-    records: list[dict[str, Any]],
-    instructions: str | None,
-    output: Path,
-    options: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    todo = [r for r in records if "error" not in r]
-    with tqdm(total=len(todo), desc="classify", unit="text", file=sys.stderr) as bar:
-        results = engine.classify_batch(
-            [r["text"] for r in todo],
-            schema,
-            instructions=instructions,
-            return_exceptions=True,
-            progress=bar.update,
-            **(options or {}),
-        )
-    for record, result in zip(todo, results, strict=True):
-        if isinstance(result, PCDError):
-            record["error"] = {"type": type(result).__name__, "message": str(result)}
-        else:
-            record.update(result.to_json())
-        del record["text"]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("w", encoding="utf-8") as handle:
-        for record in records:
-            record.pop("text", None)
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return records
+        total = count_lines(source)
+        with tqdm(total=total, desc="classify", unit="text", file=sys.stderr) as bar:
+            summary = classify_file(
+                engine,
+                schema,
+                source,
+                output,
+                text_key=args.text_key,
+                batch_size=args.batch_size,
+                resume=args.resume,
+                stop=stop,
+                progress=bar.update,
+                instructions=args.instructions,
+                calibration=calibration,
+                abstain_below=args.abstain_below,
+            )
+            bar.update(summary.skipped)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    answered = summary.written - summary.errors
+    print(
+        f"pcd: {answered} classified ({summary.needs_review} need review), {summary.errors} errors, "
+        f"{summary.skipped} already done -> {output}",
+        file=sys.stderr,
+    )
+    if summary.stopped:
+        print("pcd: stopped before the end of the input; rerun with --resume to finish", file=sys.stderr)
+        return 130
+    return 1 if summary.errors else 0
 
 
 def read_labeled(path: Path, text_key: str, label_key: str) -> list[tuple[str, dict[str, Any] | None]]:

@@ -74,7 +74,8 @@ class PCDEngine:
     raise PrecisionCheckError if they disagree; the report is `engine.precision_check`),
     `abstain_below` (default abstention threshold of `classify` calls; None: never abstain),
     `branch_wording` ("json": a branch continues the answer as a JSON object, `{"topic": "billing"}`;
-    "plain": as a `topic: billing` line, the label after a space).
+    "plain": as a `topic: billing` line, the label after a space), `allow_empty_text` (classify
+    empty or whitespace-only texts instead of refusing them with InputError).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class PCDEngine:
         self_check: bool = True,
         abstain_below: float | None = None,
         branch_wording: str = "json",
+        allow_empty_text: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -104,6 +106,7 @@ class PCDEngine:
         self.limits = limits or Limits()
         self.instructions = instructions
         self.allow_generation = allow_generation
+        self.allow_empty_text = allow_empty_text
         self.abstain_below = RequestOptions(abstain_below=abstain_below).abstain_below  # checks it
         self.sampling = sampling or Sampling()
         self.prompt = ChatPrompt(tokenizer, chat_template_kwargs)
@@ -321,7 +324,7 @@ class PCDEngine:
             raise ValueError("rules with and without codes use different prompts; compare them separately")
         started = time.perf_counter()
         plan = self.plan(schema, rule=chosen[0], allow_generation=False)
-        shared = Request.render(self.prompt, plan, text, self.limits)
+        shared = Request.render(self.prompt, plan, text, self.limits, None, self.allow_empty_text)
         normalized = [any(r.needs_normalizer for r in chosen)] * len(plan.trees)
         (logprobs,) = self.scorer.score(plan, [shared.prompt.ids], [shared.stats], normalized=normalized)
         wanted = any(r.corrects_prior for r in chosen)
@@ -415,7 +418,9 @@ class PCDEngine:
     ) -> list[Request | PCDError]:
         """Phases 1 to 3: every input rendered (or its error), its scored fields decided."""
         # 1. render every input: a bad one fails here (or takes its place), before any model work
-        items = render_all(self.prompt, plan, texts, self.limits, single, return_exceptions)
+        items = render_all(
+            self.prompt, plan, texts, self.limits, single, return_exceptions, self.allow_empty_text
+        )
         requests = [item for item in items if isinstance(item, Request)]
         # 2. score the closed fields in packed passes, several requests per forward call
         self._score(plan, requests)

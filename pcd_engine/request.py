@@ -90,13 +90,29 @@ class Request:
 
     @classmethod
     def render(
-        cls, prompt: ChatPrompt, plan: SchemaPlan, text: Any, limits: Limits, index: int | None = None
+        cls,
+        prompt: ChatPrompt,
+        plan: SchemaPlan,
+        text: Any,
+        limits: Limits,
+        index: int | None = None,
+        allow_empty: bool = False,
     ) -> Request:
         """The request for input `text` (number `index` of a batch); InputError if it cannot be one."""
         started = time.perf_counter()
         where = "text" if index is None else f"text #{index}"
         if not isinstance(text, str):
             raise InputError(f"{where} must be a str, got {type(text).__name__}")
+        if not text.strip() and not allow_empty:
+            raise InputError(
+                f"{where} is empty or only whitespace; PCDEngine(allow_empty_text=True) allows it"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InputError(
+                f"{where} is not valid Unicode: {error.reason} at character {error.start}"
+            ) from None
         ids = prompt.with_head(plan.head, text)
         if len(ids) > limits.max_prompt_tokens:
             raise InputError(
@@ -138,12 +154,13 @@ def render_all(
     limits: Limits,
     single: bool,
     return_exceptions: bool,
+    allow_empty: bool = False,
 ) -> list[Request | PCDError]:
     """A request per input, or (with `return_exceptions`) the error that input raised in its place."""
     items: list[Request | PCDError] = []
     for index, text in enumerate(texts):
         try:
-            items.append(Request.render(prompt, plan, text, limits, None if single else index))
+            items.append(Request.render(prompt, plan, text, limits, None if single else index, allow_empty))
         except PCDError as error:
             if not return_exceptions:
                 raise

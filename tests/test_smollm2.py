@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -196,3 +197,48 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
 def run_pcd(*args: object) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", *map(str, args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+
+
+def test_cli_killed_midway_resumes_to_the_uninterrupted_output(tmp_path):
+    base = [line for line in (ROOT / "examples/tickets.txt").read_text().splitlines() if line.strip()]
+    source = tmp_path / "in.jsonl"
+    rows = [{"text": f"{base[i % len(base)]} (ticket {i})", "id": f"t{i}"} for i in range(160)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    killed = tmp_path / "killed.jsonl"
+    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", "classify", "--model", "smollm2"]
+    command += ["--schema", "examples/ticket.py:Ticket", "--input", str(source), "--output", str(killed)]
+    process = subprocess.Popen([*command, "--batch-size", "8"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+        if killed.exists() and killed.read_text().count("\n") >= 32:
+            break
+        time.sleep(0.2)
+    process.kill()  # SIGKILL: no handler runs
+    process.wait()
+    before = killed.read_text().count("\n")
+    assert 32 <= before < 160
+    with killed.open("a") as handle:
+        handle.write('{"line": 999, "val')  # as if killed while writing a record
+    resumed = pcd("--schema", "examples/ticket.py:Ticket", "--input", source, "--output", killed, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{before} already done" in resumed.stderr
+    whole = tmp_path / "whole.jsonl"
+    assert pcd("--schema", "examples/ticket.py:Ticket", "--input", source, "--output", whole).returncode == 0
+    got = [json.loads(line) for line in killed.read_text().splitlines()]
+    want = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert sorted(r["line"] for r in got) == list(range(1, 161))  # every input exactly once
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    for a, b in zip(got, want, strict=True):
+        assert a["value"] == b["value"]
+        for path, field in b["fields"].items():  # other chunk boundaries: float rounding only
+            assert a["fields"][path]["probabilities"] == pytest.approx(field["probabilities"], abs=1e-4)
+
+
+def test_cli_checks_paths_before_loading_the_model(tmp_path):
+    missing = pcd(
+        "--schema", "examples/ticket.py:Ticket", "--input", tmp_path / "nope.txt", "--output", tmp_path / "o"
+    )
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Loading" not in missing.stderr
+    blocked = pcd("--schema", "examples/ticket.py:Ticket", "--input", "examples/tickets.txt",
+                  "--output", "examples/ticket.py/out.jsonl")  # fmt: skip
+    assert blocked.returncode == 2 and "pcd: error:" in blocked.stderr and "Loading" not in blocked.stderr

@@ -1,0 +1,151 @@
+"""Classify a file line by line, streaming and resumable: what `pcd classify` runs.
+
+Inputs are read lazily and answered in chunks of `batch_size` through `classify_batch`; each chunk's
+records are written and flushed as it completes, so memory stays flat in the input's size and an
+interruption loses at most the chunk in flight. Every input line gets exactly one output record with
+its line number (and its `id`, for a JSONL object that has one): the answer, or an error record.
+With `resume`, lines already answered in the output are skipped; a torn last line (the process was
+killed while writing it) is cut off and its input answered again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from pcd_engine import PCDEngine, PCDError
+
+JSON_SUFFIXES = {".jsonl", ".ndjson", ".json"}
+
+
+@dataclass
+class Summary:
+    written: int = 0  # records written by this run
+    errors: int = 0  # of which error records
+    needs_review: int = 0  # answers with abstained fields
+    skipped: int = 0  # lines answered by an earlier run (resume)
+    stopped: bool = False  # a stop was requested before the input ended
+
+
+def iter_inputs(path: Path, text_key: str) -> Iterator[dict[str, Any]]:
+    """One record per line, lazily: {"line", "text"} or {"line", "error"}; an `id` key is carried."""
+    as_json = path.suffix.lower() in JSON_SUFFIXES
+    with path.open(encoding="utf-8", errors="surrogateescape") as handle:
+        for number, line in enumerate(handle, start=1):
+            record: dict[str, Any] = {"line": number}
+            try:
+                text, extra = parse_line(line.rstrip("\r\n"), as_json, text_key)
+                record.update(extra, text=text)
+            except ValueError as error:
+                record["error"] = {"type": "InputError", "message": str(error)}
+            yield record
+
+
+def parse_line(line: str, as_json: bool, text_key: str) -> tuple[str, dict[str, Any]]:
+    if not line.strip():
+        raise ValueError("empty line")
+    if not as_json:
+        return line, {}
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"malformed JSON: {error}") from None
+    if isinstance(value, str):
+        return value, {}
+    if isinstance(value, dict) and isinstance(value.get(text_key), str):
+        return value[text_key], ({"id": value["id"]} if "id" in value else {})
+    raise ValueError(f"expected a JSON string or an object with a string {text_key!r}")
+
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as handle:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b"")) + _unterminated(
+            path
+        )
+
+
+def _unterminated(path: Path) -> int:
+    """1 if the file's last line has no newline (it is still a line), else 0."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with path.open("rb") as handle:
+        handle.seek(size - 1)
+        return int(handle.read(1) != b"\n")
+
+
+def answered_lines(output: Path) -> set[int]:
+    """Line numbers already answered in `output`; a torn last record is cut off the file."""
+    if not output.exists():
+        return set()
+    done: set[int] = set()
+    keep = 0  # bytes of whole, parsable records
+    with output.open("rb") as handle:
+        for raw in handle:
+            try:
+                if not raw.endswith(b"\n"):
+                    raise ValueError("torn")
+                done.add(int(json.loads(raw)["line"]))
+            except (ValueError, KeyError, TypeError):
+                break  # a torn or foreign line: everything from here is redone
+            keep += len(raw)
+    if keep < output.stat().st_size:
+        with output.open("r+b") as handle:
+            handle.truncate(keep)
+    return done
+
+
+def classify_file(
+    engine: PCDEngine,
+    schema: Any,
+    source: Path,
+    output: Path,
+    *,
+    text_key: str = "text",
+    batch_size: int = 32,
+    resume: bool = False,
+    stop: threading.Event | None = None,
+    progress: Callable[[int], None] | None = None,
+    **options: Any,
+) -> Summary:
+    """Answer every line of `source` into `output` (JSONL), a chunk at a time; `options` go to
+    `classify_batch`. Stops after the current chunk once `stop` is set."""
+    done = answered_lines(output) if resume else set()
+    summary = Summary(skipped=len(done))
+    pending = (r for r in iter_inputs(source, text_key) if r["line"] not in done)
+    with output.open("a" if resume else "w", encoding="utf-8", errors="surrogateescape") as handle:
+        while not (stop is not None and stop.is_set()):
+            chunk = list(islice(pending, batch_size))
+            if not chunk:
+                return summary
+            answer_chunk(engine, schema, chunk, options)
+            for record in chunk:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                summary.errors += "error" in record
+                summary.needs_review += bool(record.get("needs_review"))
+            handle.flush()
+            summary.written += len(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    summary.stopped = next(pending, None) is not None
+    return summary
+
+
+def answer_chunk(
+    engine: PCDEngine, schema: Any, chunk: list[dict[str, Any]], options: dict[str, Any]
+) -> None:
+    """Fill each record of the chunk with its answer or error, in place (its text removed)."""
+    todo = [r for r in chunk if "error" not in r]
+    results = engine.classify_batch([r["text"] for r in todo], schema, return_exceptions=True, **options)
+    for record, result in zip(todo, results, strict=True):
+        if isinstance(result, PCDError):
+            record["error"] = {"type": type(result).__name__, "message": str(result)}
+        else:
+            record.update(result.to_json())
+    for record in chunk:
+        record.pop("text", None)
