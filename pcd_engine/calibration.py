@@ -5,8 +5,9 @@
 
 Fitted per (schema, field) from the user's own texts, never scored on the texts it was fitted on:
 - "temperature": one temperature per field, from labels (does not change answers, only confidence);
-- "bias": a bias per value and a temperature, from labels, the bias L2-regularised toward 0 so that
-  values seen rarely or never in the labels keep their rule score;
+- "bias": a bias per value and a temperature, from labels, the bias L2-regularised toward the batch
+  calibration of the same texts (below), so that a value seen rarely or never in the labels falls
+  back to the label-free estimate (on ../shared/data this beat a prior at 0: docs/benchmarks.md);
 - "batch": no labels; the bias is minus the log of each value's mean probability over the given texts
   (batch calibration, Zhou et al., ICLR 2024): a value the model favours for every text is discounted;
 - "none": the rule's own probabilities;
@@ -43,7 +44,7 @@ from pcd_engine.results import FieldResult, json_key
 from pcd_engine.schema import CompiledSchema, JSONScalar
 
 METHODS = ("none", "temperature", "bias", "batch")
-BIAS_L2 = 1.0  # a Gaussian prior on the bias: the loss adds BIAS_L2 * sum(bias**2) / rows
+BIAS_L2 = 1.0  # a Gaussian prior on the bias: the loss adds BIAS_L2 * sum((bias - batch)**2) / rows
 FORMAT = "pcd-calibration/1"
 
 
@@ -222,7 +223,10 @@ def fit_labeled(
         return fit_batch(values, log_scores)
     z = log_scores.double()
     inverse_t = torch.zeros((), dtype=torch.float64, requires_grad=True)  # log(1 / temperature)
-    bias = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=method == "bias")
+    prior = torch.zeros(z.shape[1], dtype=torch.float64)
+    if method == "bias":  # the label-free estimate from the same texts is where the bias starts
+        prior = torch.tensor(fit_batch(values, z).bias, dtype=torch.float64)
+    bias = prior.clone().requires_grad_(method == "bias")
     params = [inverse_t, bias] if method == "bias" else [inverse_t]
     optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
 
@@ -230,7 +234,7 @@ def fit_labeled(
         optimizer.zero_grad()
         out = torch.nn.functional.cross_entropy(z * inverse_t.exp() + bias, labels)
         if method == "bias":
-            out = out + BIAS_L2 * (bias**2).sum() / len(labels)
+            out = out + BIAS_L2 * ((bias - prior) ** 2).sum() / len(labels)
         out.backward()
         return out
 
