@@ -25,14 +25,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.accuracy_latency import SETS, run_ar, xgrammar_grammar
 from benchmarks.data import load_set
 from minicpm_pcd_adapters import load_smollm2, plots
-from pcd_engine import Calibration, Evaluation, PCDEngine, PCDError, metrics
-from pcd_engine.calibration import fit
-from pcd_engine.evaluation import evaluate
+from pcd_engine import (
+    Calibration,
+    Evaluation,
+    FieldResult,
+    InputError,
+    PCDEngine,
+    PCDError,
+    PCDResult,
+    metrics,
+)
+from pcd_engine.calibration import decision_labels, fit
 from pcd_engine.results import json_key
 
 THRESHOLDS = (0.5, 0.7, 0.9)
@@ -44,47 +54,75 @@ def configuration(
     fit_rows: list[dict[str, Any]],
     score_rows: list[dict[str, Any]],
     shots: int,
-    scores_dir: Path | None = None,
-    scores_name: str = "",
+    scores: Path | None = None,
+    saved: dict[str, Any] | None = None,
 ) -> dict[str, Evaluation]:
-    """Score once, then every calibration variant on those scores."""
+    """Score once (or take the saved scores of an earlier run), then every calibration variant on
+    those scores. `scores`: a file to save every text's rule scores to."""
     examples = [(r["text"], r["labels"]) for r in fit_rows[:shots]]
     pool = fit_rows[shots:]
-    started = time.perf_counter()
-    base = evaluate(
-        engine, schema, [r["text"] for r in score_rows], [r["labels"] for r in score_rows], examples=examples
-    )
-    fitted = engine.classify_batch(
-        [r["text"] for r in pool], schema, examples=examples, return_exceptions=True
-    )
-    seconds = time.perf_counter() - started
     plan = engine.plan(schema, examples=examples)
-    fields = [None if isinstance(r, PCDError) else r.fields for r in fitted]
+    started = time.perf_counter()
+    if saved is None:
+        scored = engine.classify_batch(
+            [r["text"] for r in score_rows], schema, examples=examples, return_exceptions=True
+        )
+        fitted = engine.classify_batch(
+            [r["text"] for r in pool], schema, examples=examples, return_exceptions=True
+        )
+        print(
+            f"  scored {len(score_rows) + len(pool)} texts in {time.perf_counter() - started:.0f} s",
+            file=sys.stderr,
+        )
+    else:
+        scored, fitted = rebuild(plan, saved["score"]), rebuild(plan, saved["fit"])
+    truth = [decision_labels(plan.compiled, r["labels"], i) for i, r in enumerate(score_rows)]
+    values = {
+        dp.decision.path: [json_key(c.value) for c in dp.decision.candidates] for dp in plan.scored_decisions
+    }
+    base = Evaluation.of(values, scored, truth)
+    fit_fields = [None if isinstance(r, PCDError) else r.fields for r in fitted]
+    score_fields = [None if isinstance(r, PCDError) else r.fields for r in scored]
     labels = [r["labels"] for r in pool]
     identity = engine.model_identity
-    scored = [None if isinstance(r, PCDError) else r.fields for r in base.results]
     variants: dict[str, Calibration | None] = {
         "uncalibrated": None,
-        "auto": fit(plan, identity, fields, labels, "auto"),
-        "bias": fit(plan, identity, fields, labels, "bias"),
-        f"batch ({len(pool)} unlabeled)": fit(plan, identity, fields, None, "batch"),
-        "batch (in-batch)": fit(plan, identity, scored, None, "batch"),
+        "auto": fit(plan, identity, fit_fields, labels, "auto"),
+        "bias": fit(plan, identity, fit_fields, labels, "bias"),
+        f"batch ({len(pool)} unlabeled)": fit(plan, identity, fit_fields, None, "batch"),
+        "batch (in-batch)": fit(plan, identity, score_fields, None, "batch"),
     }
-    out = {name: base if cal is None else base.recalibrated(cal) for name, cal in variants.items()}
-    if scores_dir is not None:  # the rule's scores, to study other calibrations without the model
-        dump = {
-            "fit": [
-                None if f is None else {p: list(r.log_scores.values()) for p, r in f.items()} for f in fields
-            ],
-            "fit_labels": labels,
-            "score": [
-                None if f is None else {p: list(r.log_scores.values()) for p, r in f.items()} for f in scored
-            ],
-            "score_labels": [r["labels"] for r in score_rows],
-        }
-        scores_dir.mkdir(parents=True, exist_ok=True)
-        (scores_dir / f"{scores_name}.json").write_text(json.dumps(dump))
-    print(f"  scored {len(score_rows) + len(pool)} texts in {seconds:.0f} s", file=sys.stderr, flush=True)
+    if scores is not None and saved is None:  # the rule's scores, to study calibrations without the model
+        dump = {"fit": [_scores(f) for f in fit_fields], "score": [_scores(f) for f in score_fields]}
+        scores.parent.mkdir(parents=True, exist_ok=True)
+        scores.write_text(json.dumps(dump))
+    return {name: base if cal is None else base.recalibrated(cal) for name, cal in variants.items()}
+
+
+def _scores(fields: dict[str, FieldResult] | None) -> dict[str, list[float]] | None:
+    return None if fields is None else {p: list(f.log_scores.values()) for p, f in fields.items()}
+
+
+def rebuild(plan: Any, saved: list[dict[str, list[float]] | None]) -> list[Any]:
+    """Results made of saved rule scores: each field's raw probabilities and answer, as the engine
+    gives them before calibration (None: the text had failed)."""
+    out: list[Any] = []
+    for row in saved:
+        if row is None:
+            out.append(InputError("failed in the scoring run"))
+            continue
+        fields = {}
+        for dp in plan.scored_decisions:
+            values = [c.value for c in dp.decision.candidates]
+            z = torch.tensor(row[dp.decision.path], dtype=torch.float64)
+            probs = torch.softmax(z, dim=0).tolist()
+            best = max(range(len(probs)), key=probs.__getitem__)
+            margin = probs[best] - max((p for i, p in enumerate(probs) if i != best), default=0.0)
+            fields[dp.decision.path] = FieldResult(
+                dp.decision.path, values[best], dict(zip(values, probs, strict=True)),
+                dict(zip(values, z.tolist(), strict=True)), margin, dp.rule.name,
+            )  # fmt: skip
+        out.append(PCDResult(None, fields, None))
     return out
 
 
@@ -177,35 +215,46 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNGs of the default setup")
     parser.add_argument("--scores", type=Path, default=None, help="folder to save every text's rule scores")
+    parser.add_argument(
+        "--from-scores",
+        action="store_true",
+        help="no scoring: recompute every calibration from the scores saved in --scores by an earlier run "
+        "(and its xgrammar figures from --json)",
+    )
     args = parser.parse_args()
     base = load_smollm2()
     engines = {"json": base}
     if "plain" in args.wordings:
         engines["plain"] = PCDEngine(base.model, base.tokenizer, branch_wording="plain")
     report: dict[str, Any] = {}
+    earlier = (
+        json.loads(args.json.read_text()) if args.from_scores and args.json and args.json.exists() else {}
+    )
     for name in args.sets:
         schema, rows = load_set(name)
         fit_rows, score_rows = rows[-args.fit :], rows[: -args.fit][: args.limit]
-        xgr = None
-        if args.xgrammar:
+        xgr = earlier.get(name, {}).get("xgrammar")
+        if args.xgrammar and not args.from_scores:
             started = time.perf_counter()
             xgr = (args.xgrammar, xgrammar_accuracy(base, schema, score_rows[: args.xgrammar], SETS[name]))
             print(f"  xgrammar: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        first = xgr[0] if xgr else 0
         report[name] = {"xgrammar": xgr, "configurations": {}}
         for wording in args.wordings:
             for shots in args.examples if wording == "json" else [0]:
                 title = f"{name}: wording {wording}, {shots} in-context examples, {len(score_rows)} scored"
                 print(title, file=sys.stderr, flush=True)
-                slug = f"{name}_{wording}_{shots}"
+                file = args.scores / f"{name}_{wording}_{shots}.json" if args.scores else None
+                saved = json.loads(file.read_text()) if args.from_scores and file else None
                 evaluations = configuration(
-                    engines[wording], schema, fit_rows, score_rows, shots, args.scores, slug
+                    engines[wording], schema, fit_rows, score_rows, shots, file, saved
                 )
                 floor = majority(fit_rows, evaluations["uncalibrated"])
-                rows_out = [row(v, e, floor, args.xgrammar) for v, e in evaluations.items()]
+                rows_out = [row(v, e, floor, first) for v, e in evaluations.items()]
                 report[name]["configurations"][f"{wording}/{shots}"] = rows_out
                 print_table(title, rows_out, xgr)
                 if args.plots and wording == "json" and shots == 0:
-                    for variant in ("uncalibrated", "auto"):
+                    for variant in ("uncalibrated", "bias"):
                         slug = f"{name}_{variant}"
                         plots.reliability_diagram(
                             evaluations[variant], args.plots / f"{slug}_reliability.png", f"{name}: {variant}"
