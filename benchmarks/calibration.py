@@ -42,7 +42,7 @@ from pcd_engine import (
     PCDResult,
     metrics,
 )
-from pcd_engine.calibration import decision_labels, fit
+from pcd_engine.fitting import decision_labels, fit
 from pcd_engine.results import json_key
 
 THRESHOLDS = (0.5, 0.7, 0.9)

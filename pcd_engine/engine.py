@@ -23,7 +23,7 @@ from typing import Any, TypeVar, overload
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import calibration, precision
+from pcd_engine import calibration, fitting, precision
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import Calibration
 from pcd_engine.chat import Message, chat_call, stop_ids
@@ -303,12 +303,12 @@ class PCDEngine:
             if len(labels) != len(texts):
                 raise CalibrationError(f"{len(texts)} texts but {len(labels)} labels")
             for index, label in enumerate(labels):  # label errors before any model work
-                calibration.decision_labels(plan.compiled, label, index)
+                fitting.decision_labels(plan.compiled, label, index)
         items = self._decided(plan, list(texts), single=False, return_exceptions=True)
         if progress is not None:
             progress(len(items))
         per_text = [item.fields if isinstance(item, Request) else None for item in items]
-        return calibration.fit(plan, self.model_identity, per_text, labels, method, folds)
+        return fitting.fit(plan, self.model_identity, per_text, labels, method, folds)
 
     @cached_property
     def model_identity(self) -> calibration.ModelIdentity:
@@ -435,7 +435,7 @@ class PCDEngine:
         abstention."""
         maps = options.calibration.fields if options.calibration is not None else {}
         if options.batch_calibration and requests:
-            maps = calibration.batch_maps(plan, [r.fields for r in requests])
+            maps = fitting.batch_maps(plan, [r.fields for r in requests])
         for request in requests:
             request.fields = calibration.apply_all(maps, request.fields)
             if options.abstain_below is not None:

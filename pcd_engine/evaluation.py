@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcd_engine import metrics
-from pcd_engine.calibration import Calibration, decision_labels
+from pcd_engine.calibration import Calibration
 from pcd_engine.errors import CalibrationError, PCDError
+from pcd_engine.fitting import decision_labels
 from pcd_engine.results import json_key
 
 

@@ -11,7 +11,7 @@ import torch
 from pydantic import BaseModel
 
 from pcd_engine import AbstentionError, Calibration, CalibrationError, PCDEngine, metrics
-from pcd_engine.calibration import (
+from pcd_engine.fitting import (
     decision_labels,
     fit_batch,
     fit_labeled,
