@@ -218,7 +218,6 @@ def run_classify(
                 calibration=calibration,
                 abstain_below=args.abstain_below,
             )
-            bar.update(summary.skipped)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -117,6 +117,8 @@ def classify_file(
     `classify_batch`. Stops after the current chunk once `stop` is set."""
     done = answered_lines(output) if resume else set()
     summary = Summary(skipped=len(done))
+    if progress is not None and done:
+        progress(len(done))  # the bar counts every line, the earlier run's too
     pending = (r for r in iter_inputs(source, text_key) if r["line"] not in done)
     with output.open("a" if resume else "w", encoding="utf-8", errors="surrogateescape") as handle:
         while not (stop is not None and stop.is_set()):

@@ -236,9 +236,15 @@ class PCDEngine:
         `on_abstain="raise"` then raises AbstentionError carrying the result.
         """
         options = RequestOptions(
-            instructions, rule, allow_generation, sampling, examples, calibration, False,
-            self._abstain_below(abstain_below), on_abstain,
-        )  # fmt: skip
+            instructions=instructions,
+            rule=rule,
+            allow_generation=allow_generation,
+            sampling=sampling,
+            examples=examples,
+            calibration=calibration,
+            abstain_below=self._abstain_below(abstain_below),
+            on_abstain=on_abstain,
+        )
         (result,) = self._run([text], schema, options, return_exceptions=False, single=True)
         assert not isinstance(result, PCDError)
         return result
@@ -272,9 +278,16 @@ class PCDEngine:
         if calibrate not in (None, "batch"):
             raise CalibrationError(f"calibrate must be None or 'batch', got {calibrate!r}")
         options = RequestOptions(
-            instructions, rule, allow_generation, sampling, examples, calibration, calibrate == "batch",
-            self._abstain_below(abstain_below), on_abstain,
-        )  # fmt: skip
+            instructions=instructions,
+            rule=rule,
+            allow_generation=allow_generation,
+            sampling=sampling,
+            examples=examples,
+            calibration=calibration,
+            batch_calibration=calibrate == "batch",
+            abstain_below=self._abstain_below(abstain_below),
+            on_abstain=on_abstain,
+        )
         return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
 
     def calibrate(
