@@ -4,6 +4,7 @@
         --output out/tickets.jsonl --model smollm2 [--calibration cal.json --abstain-below 0.6]
     pcd evaluate --schema ... --input labeled.jsonl --model smollm2 [--fit 50] [--examples 4]
     pcd calibrate --schema ... --input labeled.jsonl --output cal.json --model smollm2
+    pcd serve --model smollm2 [--port 8000 --api-key KEY]  (server.py; needs the [server] extra)
 
 `classify` input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a
 `text` key, or a string); any other file is plain text, one input per line. Every input line gets one
@@ -35,6 +36,7 @@ from tqdm import tqdm
 
 from minicpm_pcd_adapters.files import classify_file, count_lines
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
+from minicpm_pcd_adapters.server_settings import ServerSettings
 from minicpm_pcd_adapters.smollm2 import load_smollm2
 from pcd_engine import RULES, Calibration, Evaluation, PCDEngine, PCDError, evaluate
 
@@ -43,6 +45,8 @@ MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
     try:
         check_paths(args)
         schema = load_schema(args.schema)
@@ -124,12 +128,99 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--output", required=True, help="calibration JSON file to write")
     calibrate.add_argument("--method", default="auto", help="auto, bias, temperature, batch or none")
     calibrate.add_argument("--folds", type=int, default=5, help="cross-validation folds of the report")
+    _serve_options(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     return parser
+
+
+def _serve_options(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerSettings(model_name="")
+    _model_options(parser)
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    add("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    add("--api-key", default=os.environ.get("PCD_API_KEY"), help="require 'Authorization: Bearer KEY' on "
+        "every endpoint but /health (default: $PCD_API_KEY; none: no key)")  # fmt: skip
+    add("--served-model-name", default=None, help="the model id clients send and /v1/models lists "
+        "(default: the --model value)")  # fmt: skip
+    add("--instructions", default=None, help="system instructions for requests without a system message")
+    add("--abstain-below", type=float, default=None, help="flag scored fields below this confidence "
+        "(choice.pcd.abstained_fields); a request can set its own in its 'pcd' object")  # fmt: skip
+    add("--no-generation", action="store_true", help="refuse schemas with open fields")
+    add("--batch-window-ms", type=float, default=defaults.batch_window_ms, help="how long a structured "
+        "request waits for others with the same schema to share its batch (default %(default)s)")  # fmt: skip
+    add("--max-batch", type=int, default=defaults.max_batch, help="requests per batch (default %(default)s)")
+    add("--max-queue", type=int, default=defaults.max_queue, help="requests waiting for the model; more get "
+        "503 with Retry-After (default %(default)s)")  # fmt: skip
+    add("--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds before an "
+        "unanswered request gets 504 (default %(default)s)")  # fmt: skip
+    add("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="larger bodies get 413 "
+        "(default %(default)s)")  # fmt: skip
+    add("--max-text-chars", type=int, default=defaults.max_text_chars, help="characters of all messages "
+        "of a request together (default %(default)s)")  # fmt: skip
+    add("--max-tokens", type=int, default=defaults.max_tokens, help="default answer length of plain chat "
+        "(default %(default)s)")  # fmt: skip
+    add("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
+        "(repeatable; default: CORS off)")  # fmt: skip
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted (exit 0), or exit 2 before loading on bad options."""
+    try:
+        import uvicorn
+
+        from minicpm_pcd_adapters.server import create_app
+    except ImportError as error:
+        print(
+            f"pcd: error: {error}; install the server extra: pip install 'minicpm-pcd[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        batch_window_ms=args.batch_window_ms,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_text_chars=args.max_text_chars,
+        max_tokens=args.max_tokens,
+        cors_origins=tuple(args.cors_origin),
+    )
+    try:
+        settings.check()
+        engine = load_engine(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            rule=args.rule,
+            instructions=args.instructions,
+            abstain_below=args.abstain_below,
+            allow_generation=False if args.no_generation else None,
+        )
+    except (PCDError, ValueError, OSError) as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    if settings.api_key is None and not _loopback(args.host):
+        print(f"pcd: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
+              file=sys.stderr)  # fmt: skip
+    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _common(parser: argparse.ArgumentParser, input_help: str) -> None:
     parser.add_argument("--schema", required=True, help="module:Class or path/to/file.py:Class")
     parser.add_argument("--input", required=True, help=input_help)
+    _model_options(parser)
+    parser.add_argument("--instructions", default=None, help="system instructions replacing the default")
+    parser.add_argument("--text-key", default="text", help="key of the text in JSONL objects")
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="minicpm5-2b",
@@ -139,9 +230,7 @@ def _common(parser: argparse.ArgumentParser, input_help: str) -> None:
     parser.add_argument(
         "--rule", choices=sorted(RULES), default=None, help="scoring rule (default: engine's)"
     )
-    parser.add_argument("--instructions", default=None, help="system instructions replacing the default")
-    parser.add_argument("--text-key", default="text", help="key of the text in JSONL objects")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1 ...")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
 
 

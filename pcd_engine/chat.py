@@ -29,10 +29,18 @@ class ChatCall:
     max_tokens: int
     sampling: Sampling
     stops: StopStrings  # per call: it buffers streamed text
+    json_object: bool = False  # constrain the answer to one JSON object (xgrammar)
+
+    def matchers(self, generator: Generator) -> list[Any] | None:
+        return [generator.matcher(generator.compile_json_object())] if self.json_object else None
 
     def generate(self, generator: Generator) -> Generation:
         (completion,) = generator.run(
-            [self.ids], max_new_tokens=self.max_tokens, sampling=self.sampling, stop_strings=self.stops.stops
+            [self.ids],
+            max_new_tokens=self.max_tokens,
+            sampling=self.sampling,
+            stop_strings=self.stops.stops,
+            matchers=self.matchers(generator),
         )
         text = self.stops.cut(generator.tokenizer.decode(completion.ids, skip_special_tokens=True))
         return Generation(text, completion.finish_reason, len(self.ids), len(completion.ids))
@@ -41,7 +49,11 @@ class ChatCall:
         """Text pieces as tokens are decoded; the last chunk has the finish reason and token counts."""
         done: Completion | None = None
         pieces = generator.stream(
-            self.ids, max_new_tokens=self.max_tokens, sampling=self.sampling, stop_strings=self.stops.stops
+            self.ids,
+            max_new_tokens=self.max_tokens,
+            sampling=self.sampling,
+            stop_strings=self.stops.stops,
+            matchers=self.matchers(generator),
         )
         for piece in pieces:
             if isinstance(piece, Completion):
@@ -62,6 +74,7 @@ def chat_call(
     stop: Sequence[str] | str | None,
     sampling: Sampling,
     options: Mapping[str, Any],
+    json_object: bool = False,
 ) -> ChatCall:
     """The checked inputs of one chat call; `options` override fields of `sampling`."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -83,7 +96,7 @@ def chat_call(
             f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens} "
             "(Limits.max_prompt_tokens)"
         )
-    return ChatCall(ids, max_tokens, chosen, StopStrings(stops))
+    return ChatCall(ids, max_tokens, chosen, StopStrings(stops), json_object)
 
 
 def message_pairs(messages: Any) -> list[tuple[str, str]]:

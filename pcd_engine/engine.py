@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
+import collections.abc
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any, TypeVar, overload
 
@@ -360,16 +361,20 @@ class PCDEngine:
         max_tokens: int = 512,
         stop: Sequence[str] | None = None,
         sampling: Sampling | None = None,
+        json_object: bool = False,
         **sampling_options: Any,
     ) -> Generation:
         """Plain chat generation: messages (role/content dicts or pairs) in, the assistant's text out.
 
         `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
         is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
-        `seed=` say otherwise.
+        `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
+        for a schema, use `classify`); it can still end at `max_tokens` before the object is complete.
         """
         chosen = sampling or self.sampling
-        call = chat_call(self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options)
+        call = chat_call(
+            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
+        )
         return call.generate(self.generator)
 
     def stream(
@@ -379,12 +384,15 @@ class PCDEngine:
         max_tokens: int = 512,
         stop: Sequence[str] | None = None,
         sampling: Sampling | None = None,
+        json_object: bool = False,
         **sampling_options: Any,
-    ) -> Iterator[GenerationChunk]:
+    ) -> collections.abc.Generator[GenerationChunk, None, None]:
         """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
         reason and the token counts. Closing the iterator early stops generation."""
         chosen = sampling or self.sampling
-        call = chat_call(self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options)
+        call = chat_call(
+            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
+        )
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
 
     def _run(

@@ -130,16 +130,26 @@ class Generator:
     def compile_json(self, schema_json: str) -> Any:
         """An xgrammar grammar for compact JSON (`, ` and `: ` separators) valid under the schema."""
         with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
-                )
-                self._compiler = xgr.GrammarCompiler(info)
-            return self._compiler.compile_json_schema(
+            return self._grammar_compiler().compile_json_schema(
                 schema_json, any_whitespace=False, separators=(", ", ": "), strict_mode=True
             )
+
+    def compile_json_object(self) -> Any:
+        """An xgrammar grammar for one JSON object with any keys (the `json_object` response format)."""
+        with self._lock:
+            return self._grammar_compiler().compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, separators=(", ", ": "), strict_mode=False
+            )
+
+    def _grammar_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
 
     @staticmethod
     def matcher(grammar: Any) -> Any:
@@ -212,7 +222,13 @@ class Generator:
         return Completion(row, "length", steps)
 
     def stream(
-        self, prompt: Sequence[int], *, max_new_tokens: int, sampling: Sampling, stop_strings: Sequence[str]
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_strings: Sequence[str],
+        matchers: Sequence[Any] | None = None,
     ) -> Iterator[str | Completion]:
         """Text pieces as they are decoded, then the Completion. Closing the iterator stops generation."""
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -226,6 +242,7 @@ class Generator:
                     max_new_tokens=max_new_tokens,
                     sampling=sampling,
                     stop_strings=stop_strings,
+                    matchers=matchers,
                     streamer=streamer,
                     cancel=cancel,
                 )[0]

@@ -4,7 +4,12 @@ other; `conftest.py` turns the models into fixtures."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
 import pytest
@@ -125,3 +130,28 @@ def smollm2_engine():
 
     model, tokenizer = smollm2_model()
     return PCDEngine(model, tokenizer, limits=Limits(max_string_length=48))
+
+
+@contextlib.contextmanager
+def served(app) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL and
+    shuts it down on exit."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

@@ -1,0 +1,421 @@
+"""The OpenAI Chat Completions protocol as `pcd serve` speaks it: a request body checked into a call,
+and answers written as OpenAI's completion and chunk objects. No web framework and no model here.
+
+`parse_request(body, limits)` reads the JSON body (Pydantic checks its shape) and returns one of:
+- `ClassifyCall`: a `json_schema` response format, or a forced tool call (one function, named by
+  `tool_choice` or `"required"`): the engine classifies the conversation's text with that schema;
+- `GenerateCall`: plain chat, or `json_object` (grammar-constrained JSON).
+Anything it cannot honour raises `APIError` (HTTP 400 with OpenAI's error body: message, type, param,
+code) before any model work. The per-field scores go in an extension object on each choice,
+`choice["pcd"]`, which OpenAI clients keep as an extra attribute (`choice.pcd` in the `openai` SDK).
+
+>>> call = parse_request(
+...     {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}, RequestLimits()
+... )
+>>> type(call).__name__, call.messages
+('GenerateCall', [('user', 'Hi')])
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from minicpm_pcd_adapters.messages import structured_request
+from pcd_engine import Generation, PCDResult, Sampling
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_text_chars: int = 100_000  # all message contents together
+    max_n: int = 8
+
+
+# -- the request body's shape (what Pydantic checks) --------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, refusal, tool_calls ... carry no text we use
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+
+class _JsonSchema(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class _ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+
+class _Function(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class _Tool(_Strict):
+    type: Literal["function"]
+    function: _Function
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class _NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class PCDOptions(_Strict):
+    """The request extension `"pcd": {...}` (`extra_body` in the openai SDK)."""
+
+    abstain_below: float | None = Field(default=None, gt=0, lt=1)
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[_Message] = Field(min_length=1)
+    response_format: _ResponseFormat | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(default=1, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    pcd: PCDOptions | None = None
+
+
+# -- what a request asks of the engine ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassifyCall:
+    """Classify `text` with `schema` (a JSON-schema dict, or a function definition for a tool call)."""
+
+    model: str
+    schema: dict[str, Any]
+    instructions: str | None
+    text: str
+    sampling: Sampling  # for generated (open) fields
+    n: int = 1
+    tool: str | None = None  # the function's name when answered as a tool call
+    abstain_below: float | None = None
+    stream: bool = False
+    include_usage: bool = False
+    schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
+
+    def batch_key(self) -> tuple[Any, ...]:
+        """Requests with equal keys can share one `classify_batch` (same schema and options)."""
+        return (json.dumps(self.schema, sort_keys=True), self.instructions, self.sampling, self.abstain_below)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    model: str
+    messages: list[tuple[str, str]]
+    max_tokens: int
+    stop: list[str]
+    sampling: Sampling
+    json_object: bool = False
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_request(
+    body: Any, limits: RequestLimits, default_max_tokens: int = 512
+) -> ClassifyCall | GenerateCall:
+    """The call a Chat Completions body asks for; APIError (400) for anything not honoured."""
+    if not isinstance(body, Mapping):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as error:
+        raise _shape_error(error) from None
+    _refuse_unsupported(request, limits)
+    messages = _message_pairs(request, limits)
+    sampling = _sampling(request)
+    n = request.n or 1
+    stream = bool(request.stream)
+    usage = bool(request.stream_options and request.stream_options.include_usage)
+    if request.stream_options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    structured = _structured_target(request)
+    if structured is not None:
+        schema, tool, param = structured
+        instructions, text = structured_request(messages)
+        abstain = request.pcd.abstain_below if request.pcd else None
+        return ClassifyCall(
+            request.model, schema, instructions, text, sampling, n, tool, abstain, stream, usage, param
+        )
+    json_object = request.response_format is not None and request.response_format.type == "json_object"
+    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return GenerateCall(request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage)
+
+
+def _shape_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
+    return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")
+
+
+def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:
+    unsupported = {
+        "logprobs": request.logprobs,
+        "top_logprobs": request.top_logprobs,
+        "logit_bias": request.logit_bias,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+    }
+    for name, value in unsupported.items():
+        if value:  # None, False, 0 and {} mean "not used"
+            raise APIError(
+                400, f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+            )
+    if (request.n or 1) > limits.max_n:
+        raise APIError(400, f"n must be at most {limits.max_n}, got {request.n}", param="n")
+    if isinstance(request.stop, list) and len(request.stop) > 4:
+        raise APIError(400, "stop takes at most 4 sequences", param="stop")
+
+
+def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> list[tuple[str, str]]:
+    pairs: list[tuple[str, str]] = []
+    total = 0
+    for message in request.messages:
+        content = message.content
+        text = "".join(part.text for part in content) if isinstance(content, list) else (content or "")
+        total += len(text)
+        pairs.append(("system" if message.role == "developer" else message.role, text))
+    if total > limits.max_text_chars:
+        raise APIError(
+            400,
+            f"the messages hold {total} characters, over this server's limit of {limits.max_text_chars}",
+            param="messages",
+            code="string_above_max_length",
+        )
+    return pairs
+
+
+def _sampling(request: ChatCompletionRequest) -> Sampling:
+    return Sampling(
+        temperature=request.temperature or 0.0,
+        top_p=request.top_p if request.top_p is not None else 1.0,
+        seed=request.seed,
+    )
+
+
+def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], str | None, str] | None:
+    """(schema, tool name or None, error param) when the request asks for a schema, else None."""
+    tools, choice, format_ = request.tools or [], request.tool_choice, request.response_format
+    if tools and choice not in (None, "none"):
+        if format_ is not None and format_.type != "text":
+            raise APIError(400, "use either tools or response_format, not both", param="response_format")
+        if isinstance(choice, _NamedToolChoice):
+            index = next((i for i, t in enumerate(tools) if t.function.name == choice.function.name), None)
+            if index is None:
+                raise APIError(
+                    400,
+                    f"tool_choice names {choice.function.name!r}, which is not in tools",
+                    param="tool_choice",
+                )
+        elif choice == "required" and len(tools) == 1:
+            index = 0
+        else:
+            raise APIError(
+                400,
+                f"tool_choice {choice!r} is not supported: this server answers forced tool calls only; "
+                "name the function in tool_choice, or send one tool with tool_choice 'required'",
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        function = tools[index].function
+        definition = {"name": function.name, "parameters": function.parameters or {"type": "object"}}
+        if function.description:
+            definition["description"] = function.description
+        return definition, function.name, f"tools.{index}.function.parameters"
+    if tools and choice is None:
+        raise APIError(
+            400,
+            "tools without tool_choice let the model choose whether to call one, which this server does "
+            "not do: set tool_choice to the function (or 'required' with one tool), or 'none'",
+            param="tool_choice",
+            code="unsupported_value",
+        )
+    if format_ is not None and format_.type == "json_schema":
+        if format_.json_schema is None:
+            raise APIError(
+                400, "response_format json_schema needs its json_schema object", param="response_format"
+            )
+        schema = dict(format_.json_schema.schema_)
+        schema.setdefault("title", format_.json_schema.name)
+        if format_.json_schema.description:
+            schema.setdefault("description", format_.json_schema.description)
+        return schema, None, "response_format.json_schema.schema"
+    return None
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One response: its id, creation time and model, then its choices (one per `n`)."""
+
+    model: str
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+            "system_fingerprint": None,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -> dict[str, Any]:
+    """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension."""
+    answer = result.to_json()
+    arguments = json.dumps(answer["value"], ensure_ascii=False)
+    if call.tool is None:
+        message: dict[str, Any] = {"role": "assistant", "content": arguments, "refusal": None}
+    else:
+        message = {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{secrets.token_hex(12)}",
+                    "type": "function",
+                    "function": {"name": call.tool, "arguments": arguments},
+                }
+            ],
+        }
+    d = result.diagnostics
+    extension = {
+        "fields": answer["fields"],
+        "needs_review": result.needs_review,
+        "abstained_fields": result.abstained_fields,
+        "forward_calls": d.forward_calls,
+        "cached_tokens": d.cached_tokens,
+    }
+    finish = "stop" if call.tool is None else "tool_calls"
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, "pcd": extension}
+
+
+def classified_usage(results: list[PCDResult[Any]]) -> dict[str, Any]:
+    d = [r.diagnostics for r in results]
+    return usage(d[0].prompt_tokens, sum(x.generated_tokens for x in d), d[0].cached_tokens)
+
+
+def generated_choice(answer: Generation, index: int) -> dict[str, Any]:
+    message = {"role": "assistant", "content": answer.text, "refusal": None}
+    return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
+
+
+def delta_chunks(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """A whole message as stream deltas: the role, then the content or the tool call."""
+    first = {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "finish_reason": None,
+        "logprobs": None,
+    }
+    if message.get("tool_calls"):
+        call = message["tool_calls"][0]
+        delta: dict[str, Any] = {"tool_calls": [{"index": 0, **call}]}
+    else:
+        delta = {"content": message["content"]}
+    return [first, {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]

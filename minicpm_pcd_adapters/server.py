@@ -1,0 +1,481 @@
+"""`pcd serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one PCDEngine.
+
+    POST /v1/chat/completions   structured answers scored by PCD, plain chat, JSON mode, streaming
+    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus)
+
+What a request asks is read by `openai_protocol.py`; concurrent classify requests with the same
+schema and options are batched into one `classify_batch` by `batching.py` on the model worker
+thread, so the event loop keeps answering while the model works. `Guard` (an ASGI middleware) checks
+the API key (every path but /health, compared in constant time) and the body size before any route
+runs. Schemas are JSON only: nothing in a request is imported or executed, and user text reaches the
+engine as data (its control-token rule holds here as everywhere).
+
+>>> app = create_app(load_smollm2(), ServerSettings(model_name="smollm2"))  # doctest: +SKIP
+>>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Hashable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from minicpm_pcd_adapters.batching import Batcher, QueueFull
+from minicpm_pcd_adapters.openai_protocol import (
+    APIError,
+    ClassifyCall,
+    Completion,
+    GenerateCall,
+    RequestLimits,
+    classified_message,
+    classified_usage,
+    delta_chunks,
+    generated_choice,
+    parse_request,
+    usage,
+)
+from minicpm_pcd_adapters.server_settings import ServerSettings
+from pcd_engine import (
+    Generation,
+    InputError,
+    PCDEngine,
+    PCDError,
+    PCDResult,
+    SchemaLimitError,
+    StructuredOutputError,
+    UnsupportedSchemaError,
+)
+
+log = logging.getLogger("minicpm_pcd.server")
+
+
+class ServerMetrics:
+    """Prometheus metrics in a registry of the app's own (several apps can live in one process)."""
+
+    def __init__(self, queue_depth: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pcd_requests", "Chat completion requests answered", ["kind", "status"], registry=r
+        )
+        self.errors = Counter("pcd_request_errors", "Requests answered with an error", ["code"], registry=r)
+        self.latency = Histogram(
+            "pcd_request_latency_seconds",
+            "Time from request to answer",
+            ["kind"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "pcd_batch_size", "Requests per engine batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.dropped = Counter("pcd_dropped_requests", "Queued requests whose caller left first", registry=r)
+        self.forward_calls = Counter("pcd_forward_calls", "Forward calls of the model", registry=r)
+        queue = Gauge("pcd_queue_depth", "Requests waiting for the model", registry=r)
+        queue.set_function(queue_depth)
+
+    def on_batch(self, size: int, dropped: int) -> None:
+        if size:
+            self.batch_size.observe(size)
+        if dropped:
+            self.dropped.inc(dropped)
+
+
+class Guard:
+    """ASGI middleware: the API key, then the body (read whole, at most `max_body_bytes`)."""
+
+    def __init__(self, app: Any, settings: ServerSettings, on_refused: Callable[[str], None]) -> None:
+        self.app, self.settings, self.on_refused = app, settings, on_refused
+        self.key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key):
+                error = APIError(401, "missing or incorrect API key", code="invalid_api_key")
+                return await self._refuse(send, error)
+        body, more = b"", scope["method"] in ("POST", "PUT", "PATCH")
+        declared = headers.get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            more = False
+            return await self._refuse(send, self._too_large())
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.settings.max_body_bytes:
+                return await self._refuse(send, self._too_large())
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the client's disconnect
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"the request body is over {self.settings.max_body_bytes} bytes", code="request_too_large"
+        )
+
+    async def _refuse(self, send: Any, error: APIError) -> None:
+        self.on_refused(error.code or "error")
+        await JSONResponse(error.body(), status_code=error.status)({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+class ClassifyRunner:
+    """One batcher job: every classify request of a group answered by one `classify_batch`."""
+
+    def __init__(self, engine: PCDEngine) -> None:
+        self.engine = engine
+
+    def __call__(self, key: Hashable, calls: list[ClassifyCall]) -> list[list[PCDResult[Any] | PCDError]]:
+        first = calls[0]
+        texts = [call.text for call in calls for _ in range(call.n)]
+        results = self.engine.classify_batch(
+            texts,
+            first.schema,
+            instructions=first.instructions,
+            sampling=first.sampling,
+            abstain_below=first.abstain_below,
+            return_exceptions=True,
+        )
+        out, start = [], 0
+        for call in calls:
+            out.append(results[start : start + call.n])
+            start += call.n
+        return out
+
+
+def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
+    """The ASGI app serving `engine` (run it with uvicorn, or `serve`)."""
+    settings.check()
+    metrics = ServerMetrics(queue_depth=lambda: batcher.depth)
+    batcher = Batcher(
+        ClassifyRunner(engine),
+        window_s=settings.batch_window_ms / 1000,
+        max_batch=settings.max_batch,
+        max_queue=settings.max_queue,
+        on_batch=metrics.on_batch,
+    )
+    limits = RequestLimits(max_text_chars=settings.max_text_chars)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hook = engine.model.register_forward_pre_hook(lambda *_: metrics.forward_calls.inc())
+        try:
+            yield
+        finally:
+            hook.remove()
+            batcher.close()
+
+    app = FastAPI(title="minicpm-pcd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        metrics.errors.labels(error.code or error.type).inc()
+        headers = {"Retry-After": "1"} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        log.exception("request failed")
+        metrics.errors.labels("server_error").inc()
+        body = APIError(500, f"internal error: {type(error).__name__}", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_name, "queue_depth": batcher.depth}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": settings.model_name, "object": "model", "created": created, "owned_by": "minicpm-pcd"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != settings.model_name:
+            raise APIError(
+                404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        started = time.perf_counter()
+        kind = "other"
+        status = 500
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as error:
+                raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+            call = parse_request(body, limits, settings.max_tokens)
+            kind = "classify" if isinstance(call, ClassifyCall) else "generate"
+            if call.model != settings.model_name:
+                raise APIError(
+                    404, f"the model {call.model!r} does not exist; this server serves "
+                    f"{settings.model_name!r}", param="model", code="model_not_found"
+                )  # fmt: skip
+            if isinstance(call, ClassifyCall):
+                response = await _classify(call, request)
+            else:
+                response = await _generate(call, request)
+            status = response.status_code
+            return response
+        except APIError as error:
+            status = error.status
+            raise
+        finally:
+            metrics.requests.labels(kind, str(status)).inc()
+            metrics.latency.labels(kind).observe(time.perf_counter() - started)
+
+    async def _classify(call: ClassifyCall, request: Request) -> Response:
+        try:  # schema errors before any model work (the plan is cached per schema)
+            await asyncio.to_thread(engine.plan, call.schema, instructions=call.instructions)
+        except PCDError as error:
+            raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
+        results = await _while_connected(
+            request, _queued(batcher.submit(call.batch_key(), call, settings.request_timeout_s))
+        )
+        for result in results:
+            if isinstance(result, PCDError):
+                raise _engine_error(result)
+        answers = [classified_message(call, r, i) for i, r in enumerate(results)]
+        answer_usage = classified_usage(results)
+        completion = Completion(call.model)
+        if not call.stream:
+            return JSONResponse(completion.body(answers, answer_usage))
+        chunks = []
+        for answer in answers:
+            index = answer["index"]
+            for delta in delta_chunks(answer["message"], index):
+                chunks.append(completion.chunk([delta]))
+            done = {"index": index, "delta": {}, "finish_reason": answer["finish_reason"], "logprobs": None}
+            chunks.append(completion.chunk([{**done, "pcd": answer["pcd"]}]))
+        if call.include_usage:
+            chunks.append(completion.chunk([], answer_usage))
+        return _event_stream(_replayed(chunks))
+
+    async def _generate(call: GenerateCall, request: Request) -> Response:
+        if call.stream:
+            return await _generate_stream(call)
+        answers = await _while_connected(
+            request, _queued(batcher.exclusive(lambda: _generations(engine, call)))
+        )
+        completion = Completion(call.model)
+        choices = [generated_choice(a, i) for i, a in enumerate(answers)]
+        total = usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
+        return JSONResponse(completion.body(choices, total))
+
+    async def _generate_stream(call: GenerateCall) -> Response:
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[Any] = asyncio.Queue()
+        leave = threading.Event()
+
+        def work() -> None:
+            try:
+                for index in range(call.n):
+                    if leave.is_set():  # the client left while the request was queued
+                        return
+                    stream = engine.stream(
+                        call.messages,
+                        max_tokens=call.max_tokens,
+                        stop=call.stop,
+                        sampling=_nth(call, index),
+                        json_object=call.json_object,
+                    )
+                    try:
+                        for piece in stream:
+                            loop.call_soon_threadsafe(pieces.put_nowait, (index, piece))
+                            if leave.is_set():
+                                return
+                    finally:
+                        stream.close()
+            except Exception as error:  # reaches the caller: before the first piece as an HTTP error
+                loop.call_soon_threadsafe(pieces.put_nowait, error)
+            finally:
+                loop.call_soon_threadsafe(pieces.put_nowait, None)
+
+        job = asyncio.ensure_future(_queued(batcher.exclusive(work)))
+        getter = asyncio.ensure_future(pieces.get())
+        await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done() and job.exception() is not None:  # refused before it ran (503, 504)
+            getter.cancel()
+            raise job.exception()  # type: ignore[misc]
+        first = await getter
+        if isinstance(first, Exception):
+            await job
+            raise _engine_error(first) if isinstance(first, PCDError) else first
+        completion = Completion(call.model)
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            item, prompt_tokens, completion_tokens, started = first, 0, 0, set()
+            try:
+                while item is not None:
+                    if isinstance(item, Exception):
+                        log.error("generation failed mid-stream: %s", item)
+                        return
+                    index, piece = item
+                    if index not in started:
+                        started.add(index)
+                        role = {"role": "assistant", "content": ""}
+                        yield completion.chunk(
+                            [{"index": index, "delta": role, "finish_reason": None, "logprobs": None}]
+                        )
+                    if piece.text:
+                        delta = {"content": piece.text}
+                        yield completion.chunk(
+                            [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]
+                        )
+                    if piece.finish_reason is not None:
+                        prompt_tokens = piece.prompt_tokens or 0
+                        completion_tokens += piece.completion_tokens or 0
+                        end = {
+                            "index": index,
+                            "delta": {},
+                            "finish_reason": piece.finish_reason,
+                            "logprobs": None,
+                        }
+                        yield completion.chunk([end])
+                    item = await pieces.get()
+                if call.include_usage:
+                    yield completion.chunk([], usage(prompt_tokens, completion_tokens))
+            finally:
+                leave.set()  # the client left: generation stops at its next token
+
+        return _event_stream(events())
+
+    async def _queued(work: Any) -> Any:
+        try:
+            return await work
+        except QueueFull as error:
+            raise APIError(
+                503, f"the server is busy: {error}; retry later", type="server_error", code="overloaded"
+            ) from None
+        except asyncio.TimeoutError:  # a request still queued is dropped from its batch
+            raise APIError(
+                504, f"the request was not answered within {settings.request_timeout_s} s",
+                type="server_error", code="timeout",
+            ) from None  # fmt: skip
+
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(Guard, settings=settings, on_refused=lambda code: metrics.errors.labels(code).inc())
+    return app
+
+
+def _generations(engine: PCDEngine, call: GenerateCall) -> list[Generation]:
+    return [
+        engine.generate(
+            call.messages,
+            max_tokens=call.max_tokens,
+            stop=call.stop,
+            sampling=_nth(call, index),
+            json_object=call.json_object,
+        )
+        for index in range(call.n)
+    ]
+
+
+def _nth(call: GenerateCall, index: int) -> Any:
+    """The sampling of the index-th choice: a given seed is offset so that choices differ."""
+    seed = call.sampling.seed
+    return call.sampling if seed is None else dataclasses.replace(call.sampling, seed=seed + index)
+
+
+def _engine_error(error: PCDError) -> APIError:
+    if isinstance(error, StructuredOutputError):
+        return APIError(500, str(error), type="server_error", code="invalid_model_output")
+    if isinstance(error, InputError):
+        return APIError(400, str(error), param="messages", code="invalid_input")
+    if isinstance(error, (UnsupportedSchemaError, SchemaLimitError)):
+        return APIError(400, str(error), code="unsupported_schema")
+    return APIError(400, str(error), code="invalid_request")
+
+
+async def _while_connected(request: Request, work: Any) -> Any:
+    """`work`'s result; if the client disconnects first, the work is cancelled (a queued request is
+    then dropped before it reaches the model)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        raise APIError(499, "the client closed the connection", code="client_closed")
+    return task.result()
+
+
+async def _replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _event_stream(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def serve(engine: PCDEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the app with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="info")

@@ -1,0 +1,274 @@
+"""`pcd serve` over a tiny random Llama: the real app on uvicorn (127.0.0.1, free port), driven by the
+official `openai` SDK and raw HTTP. Answers must equal the in-process engine's; bad requests get
+OpenAI's error body and the documented status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from minicpm_pcd_adapters.server import create_app
+from minicpm_pcd_adapters.server_settings import ServerSettings
+from pcd_engine import PCDEngine
+from tests.helpers import served
+
+KEY = "test-key-123"
+ROUTE = {
+    "type": "object",
+    "title": "Route",
+    "description": "Where a support message goes.",
+    "properties": {
+        "topic": {"type": "string", "enum": ["billing", "bug", "other"], "description": "What it is about."},
+        "urgent": {"type": "boolean"},
+    },
+    "required": ["topic", "urgent"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "Route", "schema": ROUTE, "strict": True}}
+TEXTS = ["refund me", "The app crashes when I log in.", "Where is my parcel?", "charged twice", "hello"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tiny_tokenizer):
+    return PCDEngine(tiny_model, tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(
+        engine, ServerSettings(model_name="tiny", api_key=KEY, batch_window_ms=50, max_body_bytes=20_000)
+    )
+    with served(app) as url:
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def ask(client, text, **kwargs):
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], response_format=FORMAT, **kwargs
+    )
+
+
+def assert_same_answer(choice, reference):
+    assert json.loads(choice.message.content) == reference.value
+    fields = choice.pcd["fields"]
+    for path, field in reference.fields.items():
+        assert fields[path]["value"] == field.value
+        for value, p in field.to_json()["probabilities"].items():
+            assert fields[path]["probabilities"][value] == pytest.approx(p, abs=1e-4)
+
+
+def test_json_schema_answers_equal_the_in_process_engine(client, engine):
+    response = ask(client, TEXTS[0])
+    (choice,) = response.choices
+    assert choice.finish_reason == "stop"
+    assert_same_answer(choice, engine.classify(TEXTS[0], ROUTE | {"title": "Route"}))
+    assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens == 0
+    assert choice.pcd["needs_review"] is False
+
+
+def test_a_system_message_is_the_instructions_and_the_tool_call_form_gives_the_same_object(client, engine):
+    messages = [{"role": "system", "content": "Route it."}, {"role": "user", "content": TEXTS[1]}]
+    tool = {"type": "function", "function": {"name": "Route", "description": "Route it", "parameters": ROUTE}}
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "Route"}},
+    )
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "Route"
+    reference = engine.classify(TEXTS[1], tool["function"], instructions="Route it.")
+    assert json.loads(call.function.arguments) == reference.value
+    required = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[tool], tool_choice="required"
+    )
+    assert required.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+
+
+async def test_concurrent_callers_share_batches_and_get_their_own_answers(server, engine):
+    references = [engine.classify(t, ROUTE) for t in TEXTS]
+    before = _metric(server, "pcd_batch_size_count")
+    async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0) as aclient:
+        responses = await asyncio.gather(*(ask(aclient, t) for t in TEXTS * 2))
+    for response, reference in zip(responses, references * 2, strict=True):
+        assert_same_answer(response.choices[0], reference)
+    batches = _metric(server, "pcd_batch_size_count") - before
+    assert 1 <= batches < len(TEXTS) * 2  # callers were grouped: fewer batches than requests
+
+
+def test_streaming_structured_and_plain_chat(client, engine):
+    chunks = list(ask(client, TEXTS[2], stream=True, stream_options={"include_usage": True}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert json.loads(content) == engine.classify(TEXTS[2], ROUTE).value
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.prompt_tokens > 0
+    messages = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    reference = engine.generate(messages, max_tokens=8)
+    assert whole.choices[0].message.content == reference.text
+    assert whole.choices[0].finish_reason == reference.finish_reason
+    pieces = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True))
+    assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == reference.text
+
+
+def test_n_answers_and_models(client, server):
+    response = ask(client, TEXTS[3], n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].message.content == response.choices[1].message.content  # scored: same
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ("{not json", 400, None, "invalid_json"),
+        ({"model": "tiny"}, 400, "messages", "invalid_value"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            400,
+            "logprobs",
+            "unsupported_parameter",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
+            400,
+            "frobnicate",
+            "unsupported_parameter",
+        ),
+        ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "model_not_found"),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "S", "schema": {"type": "array"}},
+                },
+            },
+            400,
+            "response_format.json_schema.schema",
+            "unsupported_schema",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "a"}}],
+                "tool_choice": "auto",
+            },
+            400,
+            "tool_choice",
+            "unsupported_value",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "   "}], "response_format": FORMAT},
+            400,
+            "messages",
+            "invalid_input",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x" * 30_000}]},
+            413,
+            None,
+            "request_too_large",
+        ),
+    ],
+)
+def test_bad_requests_get_openai_error_bodies_and_the_server_keeps_serving(
+    server, client, body, status, param, code
+):
+    data = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(server + "/v1/chat/completions", content=data, headers=_auth(), timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["message"] and error["type"]
+    assert ask(client, "still there?").choices[0].message.content  # the next request is answered
+
+
+def test_the_api_key_guards_every_endpoint_but_health(server):
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(server + path).status_code == 401
+        assert httpx.get(server + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(server + path, headers=_auth()).status_code == 200
+    wrong = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        ask(wrong, "x")
+    assert caught.value.body["code"] == "invalid_api_key"
+
+
+def test_metrics_count_requests_errors_batches_and_forward_calls(server, client):
+    ask(client, TEXTS[4])
+    text = httpx.get(server + "/metrics", headers=_auth()).text
+    for name in ("pcd_requests_total", "pcd_request_errors_total", "pcd_batch_size_bucket", "pcd_queue_depth",
+                 "pcd_forward_calls_total", "pcd_request_latency_seconds_bucket"):  # fmt: skip
+        assert name in text
+    assert _metric(server, "pcd_forward_calls_total") > 0
+
+
+async def test_a_full_queue_answers_503_with_retry_after(engine):
+    app = create_app(engine, ServerSettings(model_name="tiny", batch_window_ms=400, max_queue=2))
+    with served(app) as url:
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": FORMAT,
+            }
+            responses = await asyncio.gather(
+                *(http.post(url + "/v1/chat/completions", json=body) for _ in range(4))
+            )
+        codes = sorted(r.status_code for r in responses)
+        assert codes == [200, 200, 503, 503]
+        refused = next(r for r in responses if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
+
+
+async def test_a_caller_that_leaves_while_queued_is_dropped_before_the_model(engine):
+    app = create_app(engine, ServerSettings(model_name="tiny", batch_window_ms=600))
+    with served(app) as url:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": FORMAT}
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(url + "/v1/chat/completions", json=body, timeout=0.2)
+        await asyncio.sleep(1.0)
+        assert _metric(url, "pcd_dropped_requests_total", key=None) == 1
+        assert _metric(url, "pcd_batch_size_count", key=None) == 0  # no batch ran for it
+
+
+def test_a_request_timeout_answers_504(engine):
+    app = create_app(engine, ServerSettings(model_name="tiny", batch_window_ms=2000, request_timeout_s=0.3))
+    with served(app) as url:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": FORMAT}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200  # the window never outlasts what the first request can wait
+        app.state.batcher.window_s = 0  # now hold the model worker so the next request waits too long
+        held = app.state.batcher._worker.submit(__import__("time").sleep, 1.5)
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        held.result()
+        assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+
+
+def _auth():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _metric(url, name, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for line in httpx.get(url + "/metrics", headers=headers).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
