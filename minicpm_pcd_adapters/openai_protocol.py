@@ -405,17 +405,15 @@ def generated_choice(answer: Generation, index: int) -> dict[str, Any]:
     return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
 
 
+def choice_delta(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """One choice of a stream chunk."""
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
 def delta_chunks(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
     """A whole message as stream deltas: the role, then the content or the tool call."""
-    first = {
-        "index": index,
-        "delta": {"role": "assistant", "content": ""},
-        "finish_reason": None,
-        "logprobs": None,
-    }
     if message.get("tool_calls"):
-        call = message["tool_calls"][0]
-        delta: dict[str, Any] = {"tool_calls": [{"index": 0, **call}]}
+        delta: dict[str, Any] = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
     else:
         delta = {"content": message["content"]}
-    return [first, {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]
+    return [choice_delta(index, {"role": "assistant", "content": ""}), choice_delta(index, delta)]

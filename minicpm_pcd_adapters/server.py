@@ -45,6 +45,7 @@ from minicpm_pcd_adapters.openai_protocol import (
     Completion,
     GenerateCall,
     RequestLimits,
+    choice_delta,
     classified_message,
     classified_usage,
     delta_chunks,
@@ -177,6 +178,162 @@ class ClassifyRunner:
         return out
 
 
+class Completions:
+    """`POST /v1/chat/completions`: a checked call, answered through the batcher, as JSON or events."""
+
+    def __init__(
+        self, engine: PCDEngine, settings: ServerSettings, batcher: Batcher, metrics: ServerMetrics
+    ) -> None:
+        self.engine, self.settings, self.batcher, self.metrics = engine, settings, batcher, metrics
+        self.limits = RequestLimits(max_text_chars=settings.max_text_chars)
+
+    async def answer(self, request: Request) -> Response:
+        started, kind, status = time.perf_counter(), "other", 500
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as error:
+                raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+            call = parse_request(body, self.limits, self.settings.max_tokens)
+            kind = "classify" if isinstance(call, ClassifyCall) else "generate"
+            if call.model != self.settings.model_name:
+                served = self.settings.model_name
+                message = f"the model {call.model!r} does not exist; this server serves {served!r}"
+                raise APIError(404, message, param="model", code="model_not_found")
+            if isinstance(call, ClassifyCall):
+                response = await self._classify(call, request)
+            elif call.stream:
+                response = await self._stream_generation(call)
+            else:
+                response = await self._generate(call, request)
+            status = response.status_code
+            return response
+        except APIError as error:
+            status = error.status
+            raise
+        finally:
+            self.metrics.requests.labels(kind, str(status)).inc()
+            self.metrics.latency.labels(kind).observe(time.perf_counter() - started)
+
+    async def _classify(self, call: ClassifyCall, request: Request) -> Response:
+        try:  # schema errors before any model work (the plan is cached per schema)
+            await asyncio.to_thread(self.engine.plan, call.schema, instructions=call.instructions)
+        except PCDError as error:
+            raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
+        submitted = self.batcher.submit(call.batch_key(), call, self.settings.request_timeout_s)
+        results = await _while_connected(request, self._queued(submitted))
+        for result in results:
+            if isinstance(result, PCDError):
+                raise _engine_error(result)
+        answers = [classified_message(call, r, i) for i, r in enumerate(results)]
+        answer_usage = classified_usage(results)
+        completion = Completion(call.model)
+        if not call.stream:
+            return JSONResponse(completion.body(answers, answer_usage))
+        chunks = []
+        for answer in answers:  # a structured answer is known only when whole: one content chunk
+            index = answer["index"]
+            chunks += [completion.chunk([delta]) for delta in delta_chunks(answer["message"], index)]
+            end = choice_delta(index, {}, answer["finish_reason"])
+            chunks.append(completion.chunk([{**end, "pcd": answer["pcd"]}]))
+        if call.include_usage:
+            chunks.append(completion.chunk([], answer_usage))
+        return _event_stream(_replayed(chunks))
+
+    async def _generate(self, call: GenerateCall, request: Request) -> Response:
+        job = self.batcher.exclusive(lambda: _generations(self.engine, call))
+        answers = await _while_connected(request, self._queued(job))
+        choices = [generated_choice(a, i) for i, a in enumerate(answers)]
+        total = usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
+        return JSONResponse(Completion(call.model).body(choices, total))
+
+    async def _stream_generation(self, call: GenerateCall) -> Response:
+        """Pieces go from the model worker to the event loop through a queue; the HTTP status is
+        sent only once the first piece (or the call's error) is known."""
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[Any] = asyncio.Queue()
+        leave = threading.Event()  # set when the client has gone: generation stops at its next token
+
+        def work() -> None:
+            def put(item: Any) -> None:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+
+            try:
+                for index in range(call.n):
+                    if leave.is_set():
+                        return
+                    stream = self.engine.stream(
+                        call.messages,
+                        max_tokens=call.max_tokens,
+                        stop=call.stop,
+                        sampling=_nth(call, index),
+                        json_object=call.json_object,
+                    )
+                    try:
+                        for piece in stream:
+                            put((index, piece))
+                            if leave.is_set():
+                                return
+                    finally:
+                        stream.close()
+            except Exception as error:  # before the first piece it becomes the HTTP error
+                put(error)
+            finally:
+                put(None)
+
+        job = asyncio.ensure_future(self._queued(self.batcher.exclusive(work)))
+        getter = asyncio.ensure_future(pieces.get())
+        await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done() and job.exception() is not None:  # refused before it ran (503, 504)
+            getter.cancel()
+            raise job.exception()  # type: ignore[misc]
+        first = await getter
+        if isinstance(first, Exception):
+            await job
+            raise _engine_error(first) if isinstance(first, PCDError) else first
+        return _event_stream(_generated_chunks(call, first, pieces, leave))
+
+    async def _queued(self, work: Any) -> Any:
+        try:
+            return await work
+        except PCDError as error:  # a plain chat call's inputs, checked on the worker before generating
+            raise _engine_error(error) from None
+        except QueueFull as error:
+            message = f"the server is busy: {error}; retry later"
+            raise APIError(503, message, type="server_error", code="overloaded") from None
+        except asyncio.TimeoutError:  # a request still queued is dropped from its batch
+            message = f"the request was not answered within {self.settings.request_timeout_s} s"
+            raise APIError(504, message, type="server_error", code="timeout") from None
+
+
+async def _generated_chunks(
+    call: GenerateCall, first: Any, pieces: asyncio.Queue[Any], leave: threading.Event
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed generation: per choice its role, its text pieces, its finish."""
+    completion = Completion(call.model)
+    item, prompt_tokens, completion_tokens, opened = first, 0, 0, set()
+    try:
+        while item is not None:
+            if isinstance(item, Exception):
+                log.error("generation failed mid-stream: %s", item)
+                return
+            index, piece = item
+            if index not in opened:
+                opened.add(index)
+                yield completion.chunk([choice_delta(index, {"role": "assistant", "content": ""})])
+            if piece.text:
+                yield completion.chunk([choice_delta(index, {"content": piece.text})])
+            if piece.finish_reason is not None:
+                prompt_tokens = piece.prompt_tokens or 0
+                completion_tokens += piece.completion_tokens or 0
+                yield completion.chunk([choice_delta(index, {}, piece.finish_reason)])
+            item = await pieces.get()
+        if call.include_usage:
+            yield completion.chunk([], usage(prompt_tokens, completion_tokens))
+    finally:
+        leave.set()
+
+
 def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine` (run it with uvicorn, or `serve`)."""
     settings.check()
@@ -188,7 +345,7 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         max_queue=settings.max_queue,
         on_batch=metrics.on_batch,
     )
-    limits = RequestLimits(max_text_chars=settings.max_text_chars)
+    completions = Completions(engine, settings, batcher, metrics)
     created = int(time.time())
 
     @asynccontextmanager
@@ -234,179 +391,16 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != settings.model_name:
-            raise APIError(
-                404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
-            )
+            message = f"the model {model_id!r} does not exist"
+            raise APIError(404, message, param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        started = time.perf_counter()
-        kind = "other"
-        status = 500
-        try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as error:
-                raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
-            call = parse_request(body, limits, settings.max_tokens)
-            kind = "classify" if isinstance(call, ClassifyCall) else "generate"
-            if call.model != settings.model_name:
-                raise APIError(
-                    404, f"the model {call.model!r} does not exist; this server serves "
-                    f"{settings.model_name!r}", param="model", code="model_not_found"
-                )  # fmt: skip
-            if isinstance(call, ClassifyCall):
-                response = await _classify(call, request)
-            else:
-                response = await _generate(call, request)
-            status = response.status_code
-            return response
-        except APIError as error:
-            status = error.status
-            raise
-        finally:
-            metrics.requests.labels(kind, str(status)).inc()
-            metrics.latency.labels(kind).observe(time.perf_counter() - started)
-
-    async def _classify(call: ClassifyCall, request: Request) -> Response:
-        try:  # schema errors before any model work (the plan is cached per schema)
-            await asyncio.to_thread(engine.plan, call.schema, instructions=call.instructions)
-        except PCDError as error:
-            raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
-        results = await _while_connected(
-            request, _queued(batcher.submit(call.batch_key(), call, settings.request_timeout_s))
-        )
-        for result in results:
-            if isinstance(result, PCDError):
-                raise _engine_error(result)
-        answers = [classified_message(call, r, i) for i, r in enumerate(results)]
-        answer_usage = classified_usage(results)
-        completion = Completion(call.model)
-        if not call.stream:
-            return JSONResponse(completion.body(answers, answer_usage))
-        chunks = []
-        for answer in answers:
-            index = answer["index"]
-            for delta in delta_chunks(answer["message"], index):
-                chunks.append(completion.chunk([delta]))
-            done = {"index": index, "delta": {}, "finish_reason": answer["finish_reason"], "logprobs": None}
-            chunks.append(completion.chunk([{**done, "pcd": answer["pcd"]}]))
-        if call.include_usage:
-            chunks.append(completion.chunk([], answer_usage))
-        return _event_stream(_replayed(chunks))
-
-    async def _generate(call: GenerateCall, request: Request) -> Response:
-        if call.stream:
-            return await _generate_stream(call)
-        answers = await _while_connected(
-            request, _queued(batcher.exclusive(lambda: _generations(engine, call)))
-        )
-        completion = Completion(call.model)
-        choices = [generated_choice(a, i) for i, a in enumerate(answers)]
-        total = usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
-        return JSONResponse(completion.body(choices, total))
-
-    async def _generate_stream(call: GenerateCall) -> Response:
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[Any] = asyncio.Queue()
-        leave = threading.Event()
-
-        def work() -> None:
-            try:
-                for index in range(call.n):
-                    if leave.is_set():  # the client left while the request was queued
-                        return
-                    stream = engine.stream(
-                        call.messages,
-                        max_tokens=call.max_tokens,
-                        stop=call.stop,
-                        sampling=_nth(call, index),
-                        json_object=call.json_object,
-                    )
-                    try:
-                        for piece in stream:
-                            loop.call_soon_threadsafe(pieces.put_nowait, (index, piece))
-                            if leave.is_set():
-                                return
-                    finally:
-                        stream.close()
-            except Exception as error:  # reaches the caller: before the first piece as an HTTP error
-                loop.call_soon_threadsafe(pieces.put_nowait, error)
-            finally:
-                loop.call_soon_threadsafe(pieces.put_nowait, None)
-
-        job = asyncio.ensure_future(_queued(batcher.exclusive(work)))
-        getter = asyncio.ensure_future(pieces.get())
-        await asyncio.wait({job, getter}, return_when=asyncio.FIRST_COMPLETED)
-        if job.done() and job.exception() is not None:  # refused before it ran (503, 504)
-            getter.cancel()
-            raise job.exception()  # type: ignore[misc]
-        first = await getter
-        if isinstance(first, Exception):
-            await job
-            raise _engine_error(first) if isinstance(first, PCDError) else first
-        completion = Completion(call.model)
-
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            item, prompt_tokens, completion_tokens, started = first, 0, 0, set()
-            try:
-                while item is not None:
-                    if isinstance(item, Exception):
-                        log.error("generation failed mid-stream: %s", item)
-                        return
-                    index, piece = item
-                    if index not in started:
-                        started.add(index)
-                        role = {"role": "assistant", "content": ""}
-                        yield completion.chunk(
-                            [{"index": index, "delta": role, "finish_reason": None, "logprobs": None}]
-                        )
-                    if piece.text:
-                        delta = {"content": piece.text}
-                        yield completion.chunk(
-                            [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]
-                        )
-                    if piece.finish_reason is not None:
-                        prompt_tokens = piece.prompt_tokens or 0
-                        completion_tokens += piece.completion_tokens or 0
-                        end = {
-                            "index": index,
-                            "delta": {},
-                            "finish_reason": piece.finish_reason,
-                            "logprobs": None,
-                        }
-                        yield completion.chunk([end])
-                    item = await pieces.get()
-                if call.include_usage:
-                    yield completion.chunk([], usage(prompt_tokens, completion_tokens))
-            finally:
-                leave.set()  # the client left: generation stops at its next token
-
-        return _event_stream(events())
-
-    async def _queued(work: Any) -> Any:
-        try:
-            return await work
-        except QueueFull as error:
-            raise APIError(
-                503, f"the server is busy: {error}; retry later", type="server_error", code="overloaded"
-            ) from None
-        except asyncio.TimeoutError:  # a request still queued is dropped from its batch
-            raise APIError(
-                504, f"the request was not answered within {settings.request_timeout_s} s",
-                type="server_error", code="timeout",
-            ) from None  # fmt: skip
-
+    app.post("/v1/chat/completions")(completions.answer)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(settings.cors_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
+        origins = list(settings.cors_origins)
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(Guard, settings=settings, on_refused=lambda code: metrics.errors.labels(code).inc())
     return app
 

@@ -13,7 +13,7 @@ import pytest
 
 from minicpm_pcd_adapters.server import create_app
 from minicpm_pcd_adapters.server_settings import ServerSettings
-from pcd_engine import PCDEngine
+from pcd_engine import Limits, PCDEngine
 from tests.helpers import served
 
 KEY = "test-key-123"
@@ -272,3 +272,24 @@ def _metric(url, name, key=KEY):
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_plain_chat_input_errors_are_400_and_cors_is_off_by_default(tiny_model, tiny_tokenizer):
+    small = PCDEngine(tiny_model, tiny_tokenizer, limits=Limits(max_prompt_tokens=40))
+    with served(create_app(small, ServerSettings(model_name="tiny"))) as url:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "refund me " * 40}],
+            "max_tokens": 4,
+        }
+        for stream in (False, True):
+            response = httpx.post(url + "/v1/chat/completions", json=body | {"stream": stream}, timeout=30)
+            assert response.status_code == 400
+            error = response.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_input", "messages")
+            assert "over the limit of 40" in error["message"]
+        preflight = httpx.options(
+            url + "/v1/chat/completions",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert "access-control-allow-origin" not in preflight.headers
