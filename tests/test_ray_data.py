@@ -1,0 +1,110 @@
+"""Ray Data on a real local cluster (`ray.init(num_cpus=2)`): `classify_dataset` against the in-process
+engine, error rows, schemas that cannot travel, and an actor killed mid-job. The model is a tiny random
+Llama saved to a folder, loaded by every actor as a user's model would be."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import ClassVar, Literal
+
+import psutil
+import pytest
+import ray
+from pydantic import BaseModel
+
+from minicpm_pcd_adapters.ray_data import classify_dataset
+from pcd_engine import PCDEngine, UnsupportedSchemaError
+
+ROUTE = {
+    "type": "object",
+    "title": "Route",
+    "properties": {
+        "topic": {"type": "string", "enum": ["billing", "bug", "other"]},
+        "urgent": {"type": "boolean"},
+    },
+    "required": ["topic", "urgent"],
+}
+TEXTS = ["refund me", "The app crashes when I log in.", "Where is my parcel?", "charged twice", "hello"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model, tiny_tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_classify_dataset_equals_classify_batch_and_keeps_bad_rows(folder):
+    rows = [{"id": i, "text": t} for i, t in enumerate(TEXTS * 3)] + [
+        {"id": 15, "text": "  "},
+        {"id": 16, "text": None},
+    ]
+    out = classify_dataset(ray.data.from_items(rows), ROUTE, model=folder, batch_size=4, actors=2).take_all()
+    assert sorted(r["id"] for r in out) == list(range(17))  # every input exactly once
+    reference = PCDEngine.from_pretrained(folder).classify_batch(TEXTS * 3, ROUTE)
+    by_id = {r["id"]: r for r in out}
+    for i, expected in enumerate(reference):
+        row = by_id[i]
+        assert row["pcd_error"] is None
+        assert row["pcd.topic"] == expected.value["topic"] and row["pcd.urgent"] == expected.value["urgent"]
+        assert row["pcd.topic.confidence"] == pytest.approx(expected.fields["topic"].confidence, abs=1e-5)
+        assert row["pcd_object"] is not None and row["text"] == rows[i]["text"]
+    for i in (15, 16):
+        assert by_id[i]["pcd_error_type"] == "InputError" and by_id[i]["pcd_object"] is None
+        assert by_id[i]["pcd.topic"] is None
+
+
+def test_schemas_that_cannot_travel_fail_before_the_job(folder):
+    def local_schema():
+        class Held(BaseModel):
+            lock: ClassVar = threading.Lock()  # a lock cannot be pickled
+            topic: Literal["a", "b"]
+
+        return Held
+
+    with pytest.raises(UnsupportedSchemaError, match=r"cannot be pickled.*import path"):
+        classify_dataset(ray.data.from_items([{"text": "x"}]), local_schema(), model=folder)
+    with pytest.raises(UnsupportedSchemaError):
+        classify_dataset(ray.data.from_items([{"text": "x"}]), {"type": "array"}, model=folder)
+    with pytest.raises(ValueError, match="explicit batch_size"):
+        classify_dataset(
+            ray.data.from_items([{"text": "x"}]), ROUTE, model=folder, num_gpus=1, batch_size=None
+        )
+
+
+def test_an_actor_killed_mid_job_is_restarted_and_no_input_is_lost_or_doubled(folder):
+    rows = [{"id": i, "text": f"{TEXTS[i % 5]} #{i}"} for i in range(120)]
+    out = classify_dataset(
+        ray.data.from_items(rows, override_num_blocks=30), ROUTE, model=folder, batch_size=2
+    )
+    seen, killed = [], []
+    for row in out.iter_rows():
+        seen.append(row["id"])
+        if len(seen) == 8 and not killed:
+            killed = _kill_map_workers()
+    assert killed, "no actor process was found to kill"
+    assert sorted(seen) == list(range(120))
+    assert all(r is not None for r in seen)
+
+
+def _kill_map_workers() -> list[int]:
+    pids = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(process.info["cmdline"] or [])
+        if "MapWorker" in title and process.info["pid"] != os.getpid():
+            os.kill(process.info["pid"], signal.SIGKILL)
+            pids.append(process.info["pid"])
+    time.sleep(0.5)
+    return pids
