@@ -47,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "classify" and args.ray:
+        return run_classify_ray(args)
     try:
         check_paths(args)
         schema = load_schema(args.schema)
@@ -97,6 +99,14 @@ def _parser() -> argparse.ArgumentParser:
         help="skip inputs already answered in --output (a torn last record is redone) and append",
     )
     run.add_argument("--calibration", default=None, help="a calibration JSON file from `pcd calibrate`")
+    run.add_argument("--ray", action="store_true", help="classify on a Ray cluster: --input is a file or "
+                     "folder of JSONL / text / Parquet files, --output a folder of shards, one per input "
+                     "file; a rerun skips the shards already complete (the [ray] extra)")  # fmt: skip
+    run.add_argument("--ray-address", default=None, help="the cluster to join (default: a local one)")
+    run.add_argument("--actors", type=int, default=1, help="with --ray: engines running at once")
+    run.add_argument("--num-gpus", type=float, default=0, help="with --ray: GPUs per actor")
+    run.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet", help="with --ray: "
+                     "the shards' format (default parquet)")  # fmt: skip
     run.add_argument(
         "--abstain-below",
         type=float,
@@ -206,6 +216,64 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
     uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def run_classify_ray(args: argparse.Namespace) -> int:
+    """`pcd classify --ray`: exit 0 every row answered, 1 some error rows, 2 usage or schema errors."""
+    try:
+        import ray
+
+        from minicpm_pcd_adapters.ray_files import classify_files, input_files, rows_in
+    except ImportError as error:
+        print(f"pcd: error: {error}; install the ray extra: pip install 'minicpm-pcd[ray]'", file=sys.stderr)
+        return 2
+    try:
+        files = input_files(Path(args.input))
+        output = Path(args.output)
+        if output.exists() and not output.is_dir():
+            raise NotADirectoryError(f"--output {output}: with --ray it names a folder of shards")
+        output.mkdir(parents=True, exist_ok=True)
+        calibration = Calibration.load(args.calibration) if args.calibration else None
+        load_schema(args.schema)  # import errors before the job (schema errors: in classify_files)
+        if args.batch_size < 1 or args.actors < 1:
+            raise ValueError("--batch-size and --actors must be at least 1")
+    except (PCDError, ImportError, AttributeError, TypeError, ValueError, OSError) as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    engine_options = {"device": args.device, "dtype": args.dtype, "rule": args.rule}
+    options = {
+        "instructions": args.instructions,
+        "calibration": calibration,
+        "abstain_below": args.abstain_below,
+    }
+    ray.init(address=args.ray_address, log_to_driver=False)
+    try:
+        with tqdm(total=sum(rows_in(f) for f in files), unit="row", desc="pcd classify --ray") as bar:
+            summary = classify_files(
+                Path(args.input),
+                output,
+                args.schema,
+                model=args.model,
+                output_format=args.output_format,
+                text_key=args.text_key,
+                actors=args.actors,
+                batch_size=args.batch_size,
+                num_gpus=args.num_gpus,
+                engine_options={k: v for k, v in engine_options.items() if v is not None},
+                progress=bar.update,
+                **{k: v for k, v in options.items() if v is not None},
+            )
+    except PCDError as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        ray.shutdown()
+    print(
+        f"pcd: {summary.rows} rows written to {output} ({summary.errors} error rows); "
+        f"{summary.shards} shards, {summary.skipped} already complete",
+        file=sys.stderr,
+    )
+    return 1 if summary.errors else 0
 
 
 def _loopback(host: str) -> bool:

@@ -142,8 +142,11 @@ class Classifier:
 
     def __call__(self, batch: Any) -> Any:
         out = batch.copy()
-        texts = batch[self.text_column].tolist() if self.text_column in batch else [None] * len(batch)
-        prior = batch["pcd_error"].tolist() if "pcd_error" in batch else [None] * len(batch)
+        texts: list[Any] = (
+            batch[self.text_column].tolist() if self.text_column in batch else [None] * len(batch)
+        )
+        prior: list[Any] = batch["pcd_error"].tolist() if "pcd_error" in batch else [None] * len(batch)
+        prior = [None if _missing(error) else str(error) for error in prior]
         todo = [i for i, error in enumerate(prior) if error is None]
         results: list[Any] = [None] * len(batch)
         answers = self.engine.classify_batch(
@@ -152,7 +155,8 @@ class Classifier:
         for i, answer in zip(todo, answers, strict=True):
             results[i] = answer
         rows = [self._row(result, prior_error) for result, prior_error in zip(results, prior, strict=True)]
-        for name in rows[0] if rows else self._row(None, "").keys():
+        names: list[str] = list(rows[0] if rows else self._row(None, ""))
+        for name in names:
             out[name] = [row[name] for row in rows]
         return out
 
@@ -176,3 +180,10 @@ class Classifier:
                     row[PREFIX + path] = json.dumps(value) if isinstance(value, (list, dict)) else value
                     row[PREFIX + path + ".confidence"] = field.confidence
         return row
+
+
+def _missing(value: Any) -> bool:
+    """None, or pandas' marker of a missing value (NaN, NA)."""
+    import pandas
+
+    return value is None or (not isinstance(value, str) and bool(pandas.isna(value)))

@@ -4,8 +4,11 @@ Llama saved to a folder, loaded by every actor as a user's model would be."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import ClassVar, Literal
@@ -108,3 +111,47 @@ def _kill_map_workers() -> list[int]:
             pids.append(process.info["pid"])
     time.sleep(0.5)
     return pids
+
+
+def test_cli_classify_ray_writes_one_shard_per_file_and_a_rerun_skips_them(folder, tmp_path):
+    import pyarrow.parquet as pq
+
+    inputs = tmp_path / "in"
+    (inputs / "more").mkdir(parents=True)
+    (inputs / "a.jsonl").write_text('{"id": 7, "text": "refund me"}\n{not json\n"Where is my parcel?"\n')
+    (inputs / "more" / "b.txt").write_text("charged twice\n\nhello\n")
+    schema_file = tmp_path / "route.py"
+    schema_file.write_text(
+        "from typing import Literal\nfrom pydantic import BaseModel\n\n"
+        "class Route(BaseModel):\n    topic: Literal['billing', 'bug', 'other']\n    urgent: bool\n"
+    )
+    output = tmp_path / "out"
+    address = ray.get_runtime_context().gcs_address
+    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", "classify", "--ray",
+               "--ray-address", address, "--schema", f"{schema_file}:Route", "--input", str(inputs),
+               "--output", str(output),
+               "--model", folder, "--batch-size", "2"]  # fmt: skip
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 1, first.stderr[-2000:]  # two error rows
+    a = pq.read_table(output / "a.jsonl.parquet").to_pylist()
+    b = pq.read_table(output / "more" / "b.txt.parquet").to_pylist()
+    assert [r["line"] for r in a] == [1, 2, 3] and [r["line"] for r in b] == [1, 2, 3]
+    assert a[0]["id"] == "7" and "malformed JSON" in a[1]["pcd_error"] and b[1]["pcd_error"] == "empty line"
+    engine = PCDEngine.from_pretrained(folder)
+    for row, text in [
+        (a[0], "refund me"),
+        (a[2], "Where is my parcel?"),
+        (b[0], "charged twice"),
+        (b[2], "hello"),
+    ]:
+        assert json.loads(row["pcd_object"]) == engine.classify(text, RouteClass).value.model_dump()
+    assert "2 error rows" in first.stderr
+    stamp = (output / "a.jsonl.parquet").stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "2 shards, 2 already complete" in again.stderr
+    assert (output / "a.jsonl.parquet").stat().st_mtime_ns == stamp
+
+
+class RouteClass(BaseModel):
+    topic: Literal["billing", "bug", "other"]
+    urgent: bool
