@@ -169,6 +169,12 @@ def _serve_options(parser: argparse.ArgumentParser) -> None:
         "of a request together (default %(default)s)")  # fmt: skip
     add("--max-tokens", type=int, default=defaults.max_tokens, help="default answer length of plain chat "
         "(default %(default)s)")  # fmt: skip
+    add("--ray", action="store_true", help="run as a Ray Serve deployment (the [ray] extra): Serve's proxy "
+        "listens on --host/--port and spreads requests over --replicas copies, each with its own "
+        "engine")  # fmt: skip
+    add("--replicas", type=int, default=1, help="with --ray: server replicas (default 1)")
+    add("--ray-address", default=None, help="with --ray: the cluster to join (default: a local one)")
+    add("--num-gpus", type=float, default=0, help="with --ray: GPUs per replica (default 0)")
     add("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
         "(repeatable; default: CORS off)")  # fmt: skip
 
@@ -197,23 +203,25 @@ def run_serve(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         cors_origins=tuple(args.cors_origin),
     )
-    try:
-        settings.check()
-        engine = load_engine(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            rule=args.rule,
-            instructions=args.instructions,
-            abstain_below=args.abstain_below,
-            allow_generation=False if args.no_generation else None,
-        )
-    except (PCDError, ValueError, OSError) as error:
-        print(f"pcd: error: {error}", file=sys.stderr)
-        return 2
+    engine_options = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "rule": args.rule,
+        "instructions": args.instructions,
+        "abstain_below": args.abstain_below,
+        "allow_generation": False if args.no_generation else None,
+    }
     if settings.api_key is None and not _loopback(args.host):
         print(f"pcd: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
               file=sys.stderr)  # fmt: skip
+    if args.ray:
+        return _serve_on_ray(args, settings, {k: v for k, v in engine_options.items() if v is not None})
+    try:
+        settings.check()
+        engine = load_engine(args.model, **engine_options)
+    except (PCDError, ValueError, OSError) as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
     uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -274,6 +282,35 @@ def run_classify_ray(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1 if summary.errors else 0
+
+
+def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, engine_options: dict[str, Any]) -> int:
+    try:
+        import ray
+        from ray import serve
+
+        from minicpm_pcd_adapters.ray_serve import pcd_application
+
+        application = pcd_application(
+            args.model,
+            settings,
+            replicas=args.replicas,
+            num_gpus=args.num_gpus,
+            engine_options=engine_options,
+        )
+    except (ImportError, ValueError) as error:
+        print(f"pcd: error: {error} (pcd serve --ray needs the [ray] extra)", file=sys.stderr)
+        return 2
+    ray.init(address=args.ray_address)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application, name="pcd", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
 
 
 def _loopback(host: str) -> bool:

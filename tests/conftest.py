@@ -59,3 +59,12 @@ def tiny_model(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def smollm2():
     return smollm2_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tiny_model, tiny_tokenizer, tmp_path_factory):
+    """The tiny random Llama saved as a model folder, for processes that load it as users do (Ray)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)

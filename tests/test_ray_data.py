@@ -42,11 +42,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_model, tiny_tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model.save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
+def folder(tiny_folder):
+    return tiny_folder
 
 
 def test_classify_dataset_equals_classify_batch_and_keeps_bad_rows(folder):
