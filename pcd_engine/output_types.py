@@ -120,6 +120,7 @@ def _strip_required(hint: Any) -> Any:
 def _json_schema_model(schema: Mapping[str, Any]) -> type[BaseModel]:
     from json_schema_to_pydantic import create_model
 
+    _check_meta_schema(schema)
     body = dict(schema)
     if "function" in body and isinstance(body["function"], Mapping):  # {"type": "function", ...}
         body = dict(body["function"])
@@ -133,7 +134,23 @@ def _json_schema_model(schema: Mapping[str, Any]) -> type[BaseModel]:
         raise UnsupportedSchemaError(
             "<root>", dict(schema), "a JSON schema must describe an object with 'properties'"
         )
+    _check_meta_schema(body)
     try:
         return create_model(body)
     except Exception as error:  # the library raises its own error types for unsupported schema parts
         raise UnsupportedSchemaError("<root>", dict(schema), f"it could not be converted: {error}") from error
+
+
+def _check_meta_schema(schema: Mapping[str, Any]) -> None:
+    """UnsupportedSchemaError for a dict that is not a valid JSON Schema (checked against the meta-schema
+    its `$schema` names, Draft 2020-12 by default), naming where it is invalid."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(part) for part in error.absolute_path) or "<root>"
+        raise UnsupportedSchemaError(
+            where, dict(schema), f"it is not a valid JSON Schema: {error.message}"
+        ) from None

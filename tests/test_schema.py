@@ -169,3 +169,23 @@ def test_limits_on_fields_and_candidates():
 def test_limits_reject_nonsense_values():
     with pytest.raises(ValueError, match="max_fields"):
         Limits(max_fields=0)
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "nonsense"}}}, "properties/a/type"),
+        ({"type": "object", "properties": {"a": {"enum": "x"}}}, "properties/a/enum"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}, "required"),
+        (
+            {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 3}}}},
+            "properties/a/type",
+        ),
+    ],
+)
+def test_json_schema_dicts_are_checked_against_the_meta_schema(schema, where):
+    from pcd_engine import output_type
+
+    with pytest.raises(UnsupportedSchemaError, match="not a valid JSON Schema") as caught:
+        output_type(schema)
+    assert caught.value.path == where
