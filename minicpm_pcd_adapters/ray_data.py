@@ -33,7 +33,11 @@ from typing import Any
 from pcd_engine import Limits, PCDError, UnsupportedSchemaError, compile_schema, output_type
 
 PREFIX = "pcd."
-RESTARTS = 3  # an actor that dies is restarted this many times, its batches retried as often
+# An actor that dies is restarted this many times and its batches retried as often (Ray Data's own
+# default is forever, which loops on a crash that repeats, e.g. running out of memory at load). Ray
+# 2.64 drops these as keyword arguments of map_batches: the [ray] extra pins below it until Ray Data
+# names them.
+RESTARTS = 3
 
 
 def classify_dataset(
