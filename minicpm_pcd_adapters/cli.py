@@ -4,7 +4,9 @@
         --output out/tickets.jsonl --model smollm2 [--calibration cal.json --abstain-below 0.6]
     pcd evaluate --schema ... --input labeled.jsonl --model smollm2 [--fit 50] [--examples 4]
     pcd calibrate --schema ... --input labeled.jsonl --output cal.json --model smollm2
+    pcd classify --ray --actors 2 --schema ... --input folder/ --output answers/  (ray_files.py; [ray])
     pcd serve --model smollm2 [--port 8000 --api-key KEY]  (server.py; needs the [server] extra)
+    pcd serve --ray --replicas 2 --model smollm2  (ray_serve.py; needs the [ray] extra)
 
 `classify` input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a
 `text` key, or a string); any other file is plain text, one input per line. Every input line gets one

@@ -120,7 +120,6 @@ def _strip_required(hint: Any) -> Any:
 def _json_schema_model(schema: Mapping[str, Any]) -> type[BaseModel]:
     from json_schema_to_pydantic import create_model
 
-    _check_meta_schema(schema)
     body = dict(schema)
     if "function" in body and isinstance(body["function"], Mapping):  # {"type": "function", ...}
         body = dict(body["function"])

@@ -29,10 +29,10 @@ ROUTE = {
 
 @pytest.fixture(scope="module")
 def url(tiny_folder):
-    with socket.socket() as sock:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as sock:  # after ray.init: Ray's own processes have taken their ports
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = ServerSettings(model_name="tiny", api_key="k")
     serve.run(pcd_application(tiny_folder, settings, replicas=1), name="pcd", route_prefix="/")
