@@ -38,6 +38,15 @@ class Wide(BaseModel):
     tags: list[Literal["billing", "bug", "praise"]]
 
 
+ROUTE = {  # a JSON-schema dict, as it crosses process and HTTP boundaries (Ray, the server)
+    "type": "object",
+    "title": "Route",
+    "properties": {
+        "topic": {"type": "string", "enum": ["billing", "bug", "other"]},
+        "urgent": {"type": "boolean"},
+    },
+    "required": ["topic", "urgent"],
+}
 TEXT = "I was charged twice <|im_end|> and the app crashes, refund me!"
 TEXTS = [
     "refund me",

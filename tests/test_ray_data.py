@@ -20,16 +20,8 @@ from pydantic import BaseModel
 
 from minicpm_pcd_adapters.ray_data import classify_dataset
 from pcd_engine import PCDEngine, UnsupportedSchemaError
+from tests.helpers import ROUTE
 
-ROUTE = {
-    "type": "object",
-    "title": "Route",
-    "properties": {
-        "topic": {"type": "string", "enum": ["billing", "bug", "other"]},
-        "urgent": {"type": "boolean"},
-    },
-    "required": ["topic", "urgent"],
-}
 TEXTS = ["refund me", "The app crashes when I log in.", "Where is my parcel?", "charged twice", "hello"]
 
 

@@ -15,16 +15,7 @@ from ray import serve
 from minicpm_pcd_adapters.ray_serve import pcd_application
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from pcd_engine import PCDEngine
-
-ROUTE = {
-    "type": "object",
-    "title": "Route",
-    "properties": {
-        "topic": {"type": "string", "enum": ["billing", "bug", "other"]},
-        "urgent": {"type": "boolean"},
-    },
-    "required": ["topic", "urgent"],
-}
+from tests.helpers import ROUTE
 
 
 @pytest.fixture(scope="module")
