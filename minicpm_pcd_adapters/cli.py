@@ -217,7 +217,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pcd: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
               file=sys.stderr)  # fmt: skip
     if args.ray:
-        return _serve_on_ray(args, settings, {k: v for k, v in engine_options.items() if v is not None})
+        return _serve_on_ray(args, settings, engine_options)  # each replica's load_engine drops Nones
     try:
         settings.check()
         engine = load_engine(args.model, **engine_options)
@@ -269,9 +269,9 @@ def run_classify_ray(args: argparse.Namespace) -> int:
                 actors=args.actors,
                 batch_size=args.batch_size,
                 num_gpus=args.num_gpus,
-                engine_options={k: v for k, v in engine_options.items() if v is not None},
+                engine_options=engine_options,  # each actor's load_engine drops Nones
                 progress=bar.update,
-                **{k: v for k, v in options.items() if v is not None},
+                **options,  # None is classify_batch's own default for each
             )
     except PCDError as error:
         print(f"pcd: error: {error}", file=sys.stderr)
