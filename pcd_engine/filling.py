@@ -96,7 +96,11 @@ class JsonFiller:
                 "at most Limits.max_generated_tokens) before the JSON object was complete",
                 raw,
             )
-        data = json.loads(raw)
+        try:  # strict=False: a raw control character inside a generated string is data, not an error
+            data = json.loads(raw, strict=False)
+        except json.JSONDecodeError as error:
+            message = f"generation did not produce valid JSON: {error}"
+            raise StructuredOutputError(message, raw, error) from error
         for keys, value in job.closed.items():
             node = data
             for key in keys:

@@ -29,6 +29,17 @@ DEFAULT_STRING_TOKENS = 256  # a string without maxLength
 DEFAULT_ARRAY_ITEMS = 16  # an array without maxItems
 NUMBER_TOKENS = 24
 MAX_DEPTH = 8  # recursive models: below this depth a subschema counts as one default string
+_OFFSET = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_CLOCK = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](|[.][0-9]{1,6})"
+# xgrammar's own grammars for these formats allow any number of fraction digits, so a model that keeps
+# writing digits runs out of budget. These patterns stop at microseconds (what Python keeps), and their
+# texts have a known longest length. Optional parts are written `(|...)`: xgrammar 0.2.9 reads
+# `([.][0-9]{1,6})?` as if the dot were optional too (it accepts "4999Z" for seconds "49").
+BOUNDED_FORMATS = {
+    "date-time": (rf"^[0-9]{{4}}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T{_CLOCK}{_OFFSET}$", 32),
+    "time": (rf"^{_CLOCK}(|{_OFFSET})$", 21),
+}
+_PATTERN_LENGTHS = dict(BOUNDED_FORMATS.values())
 
 
 def model_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -42,9 +53,10 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def capped(schema: Mapping[str, Any], max_string_length: int, max_items: int) -> dict[str, Any]:
-    """A copy of `schema` in which every string without `maxLength` gets `max_string_length` and every
-    array without `maxItems` gets `max_items`: a looping model then ends a value instead of running
-    out of budget, and the object still completes."""
+    """A copy of `schema` in which every string without `maxLength` gets `max_string_length`, every
+    array without `maxItems` gets `max_items`, and a `date-time` or `time` string a bounded pattern
+    (BOUNDED_FORMATS): a looping model then ends a value instead of running out of budget, and the
+    object still completes."""
     out = copy.deepcopy(dict(schema))
     _cap(out, max_string_length, max_items)
     return out
@@ -59,6 +71,8 @@ def _cap(node: Any, max_string_length: int, max_items: int) -> None:
         return
     kinds = node.get("type")
     kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "string" in kinds and node.get("format") in BOUNDED_FORMATS and "pattern" not in node:
+        node["pattern"] = BOUNDED_FORMATS[node.pop("format")][0]
     plain = not ({"enum", "const", "pattern", "format"} & node.keys())
     if "string" in kinds and plain and "maxLength" not in node:
         node["maxLength"] = max(max_string_length, node.get("minLength", 0))
@@ -166,6 +180,8 @@ def _budget(node: Mapping[str, Any], defs: Mapping[str, Any], depth: int, string
         fixed = sum(_budget(p, defs, depth + 1, strings) + 2 for p in prefix)
         return 2 + fixed + count * (_budget(items, defs, depth + 1, strings) + 2)
     if kind == "string":
+        if node.get("pattern") in _PATTERN_LENGTHS:
+            return _PATTERN_LENGTHS[node["pattern"]] + 2
         return node["maxLength"] + 2 if "maxLength" in node else strings
     if kind in ("integer", "number"):
         return NUMBER_TOKENS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import datetime, time
 from enum import Enum
 from typing import Annotated, ClassVar, Literal, TypedDict
 
@@ -102,6 +103,32 @@ def test_token_budget_is_finite_and_follows_max_length():
     assert 0 < short < token_budget(schema, default_string_tokens=100)
     bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 7}}}
     assert token_budget(bounded) == 2 + len('"s"') + 3 + 7 + 2
+
+
+def test_datetime_and_time_texts_are_bounded_so_generation_always_ends(engine):
+    """xgrammar's own date-time grammar allows any number of fraction digits (a model writing digits
+    ran out of its budget); the capped schema stops at microseconds and budgets the longest text."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    class Meeting(BaseModel):
+        when: datetime
+        at: time | None
+
+    schema = capped(model_schema(Meeting), 1000, 64)
+    grammar = Grammar.from_json_schema(json.dumps(schema))
+    for when, accepted in [
+        ("2025-03-03T10:30:00Z", True),
+        ("2025-03-03T10:30:00.123456+05:00", True),
+        ("2025-03-03T10:30:00.1234567Z", False),
+        ("2025-03-03T10:30:4999999Z", False),  # xgrammar read `(\.[0-9]{1,6})?` with an optional dot
+        ("2025-13-03T10:30:00Z", False),
+    ]:
+        text = json.dumps({"when": when, "at": "10:30:00.5"}, separators=(",", ":"))
+        assert _is_grammar_accept_string(grammar, text) is accepted, when
+    assert token_budget(schema) < 100  # was over 500: two default-length strings
+    result = engine.classify("Meet me on 3 March 2025 at 10:30", Meeting)
+    assert isinstance(result.value.when, datetime)
 
 
 def test_typed_dict_follows_langchain_annotated_convention():
