@@ -13,6 +13,7 @@ from pcd_engine.errors import (
     AbstentionError,
     CalibrationError,
     InputError,
+    ModelIntegrityError,
     ModelLoadError,
     PCDError,
     PrecisionCheckError,
@@ -22,16 +23,20 @@ from pcd_engine.errors import (
 )
 from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate
 from pcd_engine.generate import Sampling
+from pcd_engine.manifest import MANIFEST_NAME, create_manifest, read_manifest, verify_manifest, write_manifest
 from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.precision import SelfCheck
+from pcd_engine.prompt import TEXT_FRAMINGS
 from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 
 __all__ = [
     "DEFAULT_RULE",
+    "MANIFEST_NAME",
     "RULES",
+    "TEXT_FRAMINGS",
     "AbstentionError",
     "Calibration",
     "CalibrationError",
@@ -49,6 +54,7 @@ __all__ = [
     "InputError",
     "Limits",
     "ModelIdentity",
+    "ModelIntegrityError",
     "ModelLoadError",
     "OptionRule",
     "OutputType",
@@ -65,9 +71,13 @@ __all__ = [
     "StructuredOutputError",
     "UnsupportedSchemaError",
     "compile_schema",
+    "create_manifest",
     "evaluate",
     "metrics",
     "output_type",
+    "read_manifest",
     "require_closed",
+    "verify_manifest",
+    "write_manifest",
 ]
 __version__ = "0.1.0"

@@ -97,6 +97,14 @@ class ModelLoadError(PCDError, OSError):
     """A model or tokenizer could not be loaded (hub unreachable, missing file, bad folder)."""
 
 
+class ModelIntegrityError(ModelLoadError):
+    """A model file does not match its manifest (missing, changed, or not listed). `file` names it."""
+
+    def __init__(self, message: str, file: str) -> None:
+        super().__init__(message)
+        self.file = file
+
+
 SUPPORTED_TYPES = (
     "Literal[...] of str/int/bool, bool, Enum with str or int values, Optional[<closed>], "
     "nested BaseModel whose leaves are closed, list[Literal]/set[Literal] (multi-label), "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 
 from pcd_engine.errors import ModelLoadError
+from pcd_engine.manifest import verify_manifest
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -41,32 +44,101 @@ def load_model_and_tokenizer(
     gguf_file: str | None = None,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
+    manifest: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     **model_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Load (model, tokenizer). `name_or_path` may be a hub id, a folder, or a `.gguf` file."""
+    """Load (model, tokenizer). `name_or_path` may be a hub id, a folder, or a `.gguf` file.
+
+    A hub id is first resolved to a local snapshot folder (`hub_snapshot`: safetensors weights only,
+    the local cache at once when the hub is unreachable). With `manifest` (a `pcd manifest create`
+    file or dict), the folder's files are checked against it before anything is loaded.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(name_or_path)
     path = Path(source).expanduser()
+    hub_revision = None
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
-        source, gguf_file = str(path.parent), path.name
-    elif gguf_file is not None and not (path / gguf_file).is_file() and path.is_dir():
-        raise ModelLoadError(f"GGUF file {gguf_file!r} is not in folder {path}")
-    common: dict[str, Any] = {"revision": revision}
-    if gguf_file is not None:
-        common["gguf_file"] = gguf_file
+        folder, gguf_file = path.parent, path.name
+    elif path.is_dir():
+        folder = path
+        if gguf_file is not None and not (path / gguf_file).is_file():
+            raise ModelLoadError(f"GGUF file {gguf_file!r} is not in folder {path}")
+    else:
+        folder = hub_snapshot(source, revision, gguf_file, model_kwargs)
+        hub_revision = revision
+        if gguf_file is None:
+            model_kwargs["use_safetensors"] = True  # never unpickle downloaded weights
+    if manifest is not None:
+        verify_manifest(folder, manifest, revision=hub_revision)
+    common: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    if model_kwargs.get("trust_remote_code"):
+        common["trust_remote_code"] = True
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **common)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **common)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=resolve_dtype(dtype), **common, **model_kwargs
+            str(folder), dtype=resolve_dtype(dtype), **common, **model_kwargs
         )
     except OSError as error:
-        raise ModelLoadError(_load_hint(source, revision, path, error)) from error
+        raise ModelLoadError(f"could not load a model from {folder}: {error}") from error
     model.to(resolve_device(device))  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer
+
+
+def hub_snapshot(
+    repo_id: str, revision: str | None, gguf_file: str | None, model_kwargs: dict[str, Any]
+) -> Path:
+    """The local folder of `repo_id` at `revision`, downloaded if needed (huggingface_hub's
+    `snapshot_download`). Only safetensors weights (or the named GGUF file), configs and tokenizer
+    files are fetched: no pickled weights. When the hub does not answer one quick probe (or
+    HF_HUB_OFFLINE is set), only the local cache is looked at, so an offline machine gets its answer
+    at once. Hub options (`cache_dir`, `token`, `local_files_only`) are taken out of `model_kwargs`."""
+    from huggingface_hub import snapshot_download
+
+    patterns = [gguf_file] if gguf_file is not None else ["*.safetensors", "*.safetensors.index.json"]
+    patterns += ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+    if model_kwargs.get("trust_remote_code"):
+        patterns.append("*.py")
+    local_only = model_kwargs.pop("local_files_only", False)
+    offline = "local_files_only=True was asked" if local_only else hub_offline_reason()
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=patterns,
+                local_files_only=offline is not None,
+                cache_dir=model_kwargs.pop("cache_dir", None),
+                token=model_kwargs.pop("token", None),
+            )
+        )
+    except ValueError as error:  # huggingface_hub's HFValidationError: not a repo id
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local folder, a .gguf file or a hub id (owner/name): {error}"
+        ) from error
+    except OSError as error:
+        raise ModelLoadError(_load_hint(repo_id, revision, offline, error)) from error
+
+
+def hub_offline_reason(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be used now (HF_HUB_OFFLINE set, or no answer to one HEAD request within
+    `timeout` seconds), or None when it answered. Any HTTP answer counts as reachable."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return "HF_HUB_OFFLINE is set"
+    request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        return f"{constants.ENDPOINT} did not answer within {timeout:g} s ({reason})"
+    return None
 
 
 def load_with_reference(
@@ -77,6 +149,7 @@ def load_with_reference(
     dtype: str | torch.dtype | None,
     fp32_reference: bool,
     model_kwargs: Mapping[str, Any],
+    manifest: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """(model, tokenizer, FP32 reference or None). With `fp32_reference` and a `dtype` below float32,
     the weights are loaded in float32, kept as the reference, and copied into `dtype` for the work."""
@@ -88,6 +161,7 @@ def load_with_reference(
         gguf_file=gguf_file,
         device=device,
         dtype=torch.float32 if keep_fp32 else wanted,
+        manifest=manifest,
         **model_kwargs,
     )
     if not keep_fp32:
@@ -95,13 +169,12 @@ def load_with_reference(
     return copy.deepcopy(model).to(wanted), tokenizer, model
 
 
-def _load_hint(source: str, revision: str | None, path: Path, error: OSError) -> str:
-    if path.exists():
-        return f"could not load a model from {path}: {error}"
+def _load_hint(repo_id: str, revision: str | None, offline: str | None, error: OSError) -> str:
     rev = f" --revision {revision}" if revision else ""
+    where = "is not in the local cache" if offline else "could not be fetched"
+    why = f"the hub cannot be reached ({offline}) and " if offline else ""
     return (
-        f"could not load {source!r} from the Hugging Face hub or its local cache ({error}). "
-        f"If this machine has no network, download it elsewhere with "
-        f"`hf download {source}{rev} --local-dir DIR`, copy DIR here and pass DIR (a local folder) "
-        f"or a .gguf file path instead of the hub id."
+        f"{why}{repo_id!r}{f' at revision {revision}' if revision else ''} {where}: {error}. "
+        f"On a machine with network, run `hf download {repo_id}{rev} --local-dir DIR`, copy DIR "
+        f"here and pass DIR (a local folder) or a .gguf file path instead of the hub id."
     )

@@ -1,0 +1,186 @@
+"""Loading a model as users do: a hub id resolved offline from the local cache (at once when the hub is
+unreachable), safetensors only for downloaded weights, and manifests of SHA-256 hashes checked before
+anything loads. The model is the tiny random Llama, saved as a folder and as hub cache snapshots."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from huggingface_hub import constants
+from pydantic import BaseModel
+
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
+from pcd_engine import ModelIntegrityError, ModelLoadError, PCDEngine
+from pcd_engine.manifest import create_manifest, model_files, verify_manifest, write_manifest
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Ticket(BaseModel):
+    topic: Literal["billing", "bug", "other"]
+    urgent: bool
+
+
+@pytest.fixture
+def folder(tiny_folder, tmp_path):
+    """A private copy of the saved tiny model (tests change its files)."""
+    return Path(shutil.copytree(tiny_folder, tmp_path / "model"))
+
+
+def _snapshot(cache: Path, repo_id: str, source: str | Path, commit: str = COMMIT) -> Path:
+    """Lay a model folder out as huggingface_hub's cache does: models--owner--name/snapshots/<commit>."""
+    target = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """Network allowed as far as the settings go, but nothing answers at the hub's address."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_manifest_lists_every_model_file_and_accepts_the_folder_it_came_from(folder):
+    (folder / "README.md").write_text("not a model file")
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "x.py").write_text("")
+    manifest = create_manifest(folder)
+    assert set(manifest["files"]) == set(model_files(folder))
+    assert "model.safetensors" in manifest["files"] and "config.json" in manifest["files"]
+    assert "tokenizer.json" in manifest["files"] and "README.md" not in manifest["files"]
+    assert not any("__pycache__" in name for name in manifest["files"])
+    verify_manifest(folder, manifest)  # no error
+    written = write_manifest(folder)
+    assert written.name == "pcd-manifest.json" and "pcd-manifest.json" not in model_files(folder)
+    verify_manifest(folder, written)
+
+
+@pytest.mark.parametrize("change", ["flip a weight byte", "delete the config", "add a pickled weight file"])
+def test_a_changed_missing_or_unlisted_file_is_refused_by_name(folder, change):
+    manifest = create_manifest(folder)
+    if change == "flip a weight byte":
+        _flip_a_byte(folder / "model.safetensors")
+        named, words = "model.safetensors", "differs"
+    elif change == "delete the config":
+        (folder / "config.json").unlink()
+        named, words = "config.json", "missing"
+    else:
+        (folder / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+        named, words = "pytorch_model.bin", "not in the manifest"
+    with pytest.raises(ModelIntegrityError, match=words) as caught:
+        verify_manifest(folder, manifest)
+    assert caught.value.file == named and named in str(caught.value)
+
+
+def test_loading_with_a_manifest_checks_the_files_before_the_weights_load(folder, tiny_tokenizer):
+    manifest = create_manifest(folder)
+    engine = PCDEngine.from_pretrained(folder, device="cpu", manifest=manifest)
+    assert engine.classify("I was charged twice", Ticket).value.topic in {"billing", "bug", "other"}
+    _flip_a_byte(folder / "model.safetensors")  # still loadable: only the manifest can tell
+    with pytest.raises(ModelIntegrityError, match=r"model\.safetensors"):
+        PCDEngine.from_pretrained(folder, device="cpu", manifest=manifest)
+    with pytest.raises(ModelIntegrityError, match="not a pcd-manifest/1 manifest"):
+        PCDEngine.from_pretrained(folder, device="cpu", manifest={"files": {}})
+
+
+def test_a_hub_id_loads_from_the_cache_at_once_when_the_hub_is_unreachable(folder, tmp_path, unreachable_hub):
+    cache = tmp_path / "hub"
+    snapshot = _snapshot(cache, "pcd-test/tiny", folder)
+    started = time.perf_counter()
+    engine = PCDEngine.from_pretrained(
+        "pcd-test/tiny", revision=COMMIT, device="cpu", model_kwargs={"cache_dir": cache}
+    )
+    assert time.perf_counter() - started < 20
+    local = PCDEngine.from_pretrained(folder, device="cpu")
+    text = "The app crashes when I log in"
+    assert engine.classify(text, Ticket).value == local.classify(text, Ticket).value
+    manifest = create_manifest(snapshot)
+    assert manifest["revision"] == COMMIT  # read from the snapshot folder's name
+    with pytest.raises(ModelIntegrityError, match="revision"):
+        verify_manifest(snapshot, manifest, revision="f" * 40)
+
+
+def test_an_uncached_hub_id_fails_at_once_when_the_hub_is_unreachable(tmp_path, unreachable_hub):
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError) as caught:
+        PCDEngine.from_pretrained("pcd-test/absent", revision=COMMIT, model_kwargs={"cache_dir": tmp_path})
+    assert time.perf_counter() - started < 10
+    message = str(caught.value)
+    assert "hub cannot be reached" in message and "127.0.0.1:9" in message
+    assert "hf download pcd-test/absent --revision" in message
+
+
+def test_hf_hub_offline_skips_the_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the hub was probed although HF_HUB_OFFLINE is set")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set"):
+        PCDEngine.from_pretrained("pcd-test/absent", model_kwargs={"cache_dir": tmp_path})
+
+
+def test_downloaded_weights_must_be_safetensors(tiny_model, tiny_tokenizer, tmp_path, unreachable_hub):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    tiny_model.config.save_pretrained(pickled)
+    tiny_tokenizer.save_pretrained(pickled)
+    torch.save(tiny_model.state_dict(), pickled / "pytorch_model.bin")
+    cache = tmp_path / "hub"
+    _snapshot(cache, "pcd-test/pickled", pickled)
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        PCDEngine.from_pretrained("pcd-test/pickled", revision=COMMIT, model_kwargs={"cache_dir": cache})
+
+
+def test_the_minicpm5_default_checks_a_manifest_for_its_pinned_revision(folder, tmp_path, unreachable_hub):
+    """The default model's own path: hub id, pinned revision, cache snapshot, manifest. The weights
+    are the tiny model's, laid out where MiniCPM5-2B's pinned snapshot would be."""
+    cache = tmp_path / "hub"
+    assert MINICPM5_2B.revision is not None
+    snapshot = _snapshot(cache, MINICPM5_2B.hub_id, folder, MINICPM5_2B.revision)
+    manifest = create_manifest(snapshot)
+    engine = load_minicpm5(device="cpu", manifest=manifest, model_kwargs={"cache_dir": cache})
+    assert engine.classify("refund me", Ticket).value.topic in {"billing", "bug", "other"}
+    _flip_a_byte(snapshot / "tokenizer.json")
+    with pytest.raises(ModelIntegrityError, match=r"tokenizer\.json"):
+        load_minicpm5(device="cpu", manifest=manifest, model_kwargs={"cache_dir": cache})
+
+
+def test_pcd_manifest_create_and_verify_and_classify_refusing_a_changed_model(folder, tmp_path):
+    manifest = tmp_path / "model.manifest.json"
+
+    def pcd(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    created = pcd("manifest", "create", str(folder), "--output", str(manifest))
+    assert created.returncode == 0, created.stderr
+    assert pcd("manifest", "verify", str(folder), "--manifest", str(manifest)).returncode == 0
+    _flip_a_byte(folder / "model.safetensors")
+    refused = pcd("manifest", "verify", str(folder), "--manifest", str(manifest))
+    assert refused.returncode == 2 and "model.safetensors" in refused.stderr
+    texts = tmp_path / "texts.txt"
+    texts.write_text("refund me\n")
+    classify = pcd(
+        "classify", "--schema", f"{__file__}:Ticket", "--input", str(texts), "--output",
+        str(tmp_path / "out.jsonl"), "--model", str(folder), "--device", "cpu", "--manifest", str(manifest),
+    )  # fmt: skip
+    assert classify.returncode == 2 and "model.safetensors" in classify.stderr
+    assert not (tmp_path / "out.jsonl").exists()
