@@ -7,6 +7,7 @@
     pcd classify --ray --actors 2 --schema ... --input folder/ --output answers/  (ray_files.py; [ray])
     pcd serve --model smollm2 [--port 8000 --api-key KEY]  (server.py; needs the [server] extra)
     pcd serve --ray --replicas 2 --model smollm2  (ray_serve.py; needs the [ray] extra)
+    pcd manifest create /models/MiniCPM5-2B --output minicpm5.manifest.json  (then --manifest FILE)
 
 `classify` input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a
 `text` key, or a string); any other file is plain text, one input per line. Every input line gets one
@@ -40,7 +41,19 @@ from minicpm_pcd_adapters.files import classify_file, count_lines
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from minicpm_pcd_adapters.smollm2 import load_smollm2
-from pcd_engine import RULES, Calibration, Evaluation, PCDEngine, PCDError, evaluate
+from pcd_engine import (
+    MANIFEST_NAME,
+    RULES,
+    TEXT_FRAMINGS,
+    Calibration,
+    Evaluation,
+    PCDEngine,
+    PCDError,
+    evaluate,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 
 MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
 
@@ -49,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "manifest":
+        return run_manifest(args)
     if args.command == "classify" and args.ray:
         return run_classify_ray(args)
     try:
@@ -62,9 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         engine = load_engine(
             args.model,
-            device=args.device,
-            dtype=args.dtype,
-            rule=args.rule,
+            **engine_options(args),
             allow_generation=False if getattr(args, "no_generation", False) else None,
         )
         engine.plan(schema, instructions=args.instructions)  # schema errors before reading input
@@ -141,7 +154,33 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--method", default="auto", help="auto, bias, temperature, batch or none")
     calibrate.add_argument("--folds", type=int, default=5, help="cross-validation folds of the report")
     _serve_options(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
+    manifest = sub.add_parser("manifest", help="write or check the SHA-256 manifest of a model folder")
+    action = manifest.add_subparsers(dest="action", required=True)
+    create = action.add_parser("create", help="hash every weight, config and tokenizer file of a folder")
+    create.add_argument("folder", help="model folder (a hub snapshot folder, a `hf download` folder ...)")
+    create.add_argument("--output", default=None, help=f"manifest file (default: FOLDER/{MANIFEST_NAME})")
+    create.add_argument("--revision", default=None, help="hub commit the files come from (recorded; "
+        "default: the commit of a hub cache snapshot folder)")  # fmt: skip
+    verify = action.add_parser("verify", help="check a folder against a manifest (exit 0 or 2)")
+    verify.add_argument("folder")
+    verify.add_argument("--manifest", required=True, help="manifest file from `pcd manifest create`")
     return parser
+
+
+def run_manifest(args: argparse.Namespace) -> int:
+    """`pcd manifest create|verify`: exit 0, or 2 with the file that does not match."""
+    try:
+        if args.action == "create":
+            target = write_manifest(args.folder, args.output, revision=args.revision)
+            count = len(read_manifest(target)["files"])
+            print(f"pcd: {count} files hashed into {target}", file=sys.stderr)
+        else:
+            verify_manifest(args.folder, args.manifest)
+            print(f"pcd: {args.folder} matches {args.manifest}", file=sys.stderr)
+    except (PCDError, OSError) as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _serve_options(parser: argparse.ArgumentParser) -> None:
@@ -205,10 +244,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         cors_origins=tuple(args.cors_origin),
     )
-    engine_options = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "rule": args.rule,
+    options = {
+        **engine_options(args),
         "instructions": args.instructions,
         "abstain_below": args.abstain_below,
         "allow_generation": False if args.no_generation else None,
@@ -217,10 +254,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pcd: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
               file=sys.stderr)  # fmt: skip
     if args.ray:
-        return _serve_on_ray(args, settings, engine_options)  # each replica's load_engine drops Nones
+        return _serve_on_ray(args, settings, options)  # each replica's load_engine drops Nones
     try:
         settings.check()
-        engine = load_engine(args.model, **engine_options)
+        engine = load_engine(args.model, **options)
     except (PCDError, ValueError, OSError) as error:
         print(f"pcd: error: {error}", file=sys.stderr)
         return 2
@@ -250,7 +287,6 @@ def run_classify_ray(args: argparse.Namespace) -> int:
     except (PCDError, ImportError, AttributeError, TypeError, ValueError, OSError) as error:
         print(f"pcd: error: {error}", file=sys.stderr)
         return 2
-    engine_options = {"device": args.device, "dtype": args.dtype, "rule": args.rule}
     options = {
         "instructions": args.instructions,
         "calibration": calibration,
@@ -269,7 +305,7 @@ def run_classify_ray(args: argparse.Namespace) -> int:
                 actors=args.actors,
                 batch_size=args.batch_size,
                 num_gpus=args.num_gpus,
-                engine_options=engine_options,  # each actor's load_engine drops Nones
+                engine_options=engine_options(args),  # each actor's load_engine drops Nones
                 progress=bar.update,
                 **options,  # None is classify_batch's own default for each
             )
@@ -286,7 +322,7 @@ def run_classify_ray(args: argparse.Namespace) -> int:
     return 1 if summary.errors else 0
 
 
-def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, engine_options: dict[str, Any]) -> int:
+def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, options: dict[str, Any]) -> int:
     try:
         import ray
         from ray import serve
@@ -298,7 +334,7 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, engine_opt
             settings,
             replicas=args.replicas,
             num_gpus=args.num_gpus,
-            engine_options=engine_options,
+            engine_options=options,
         )
     except (ImportError, ValueError) as error:
         print(f"pcd: error: {error} (pcd serve --ray needs the [ray] extra)", file=sys.stderr)
@@ -339,6 +375,21 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1 ...")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--manifest", default=None, help="check the model files against this manifest "
+        "(`pcd manifest create`) before loading them")  # fmt: skip
+    parser.add_argument("--text-framing", choices=TEXT_FRAMINGS, default=None, help="how the text sits "
+        "in the prompt (default: turn; see docs/benchmarks.md on injected instructions)")  # fmt: skip
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model options every command shares (None: the engine's default)."""
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "rule": args.rule,
+        "manifest": str(Path(args.manifest).resolve()) if args.manifest else None,  # for Ray workers too
+        "text_framing": args.text_framing,
+    }
 
 
 def load_schema(spec: str) -> type[BaseModel]:

@@ -76,7 +76,9 @@ class PCDEngine:
     `abstain_below` (default abstention threshold of `classify` calls; None: never abstain),
     `branch_wording` ("json": a branch continues the answer as a JSON object, `{"topic": "billing"}`;
     "plain": as a `topic: billing` line, the label after a space), `allow_empty_text` (classify
-    empty or whitespace-only texts instead of refusing them with InputError).
+    empty or whitespace-only texts instead of refusing them with InputError), `text_framing` ("turn":
+    the text is the whole user message; "data": between `<text>` delimiters, with a system sentence
+    saying it is data, not instructions; docs/benchmarks.md measures both against injected text).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class PCDEngine:
         abstain_below: float | None = None,
         branch_wording: str = "json",
         allow_empty_text: bool = False,
+        text_framing: str = "turn",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -110,7 +113,7 @@ class PCDEngine:
         self.allow_empty_text = allow_empty_text
         self.abstain_below = RequestOptions(abstain_below=abstain_below).abstain_below  # checks it
         self.sampling = sampling or Sampling()
-        self.prompt = ChatPrompt(tokenizer, chat_template_kwargs)
+        self.prompt = ChatPrompt(tokenizer, chat_template_kwargs, text_framing)
         self.runner = BranchRunner(model, max_tokens_per_forward)
         self.prefix_cache = prefix_cache if isinstance(prefix_cache, PrefixCache) else None
         if prefix_cache is True:
@@ -144,16 +147,19 @@ class PCDEngine:
         dtype: str | torch.dtype | None = None,
         fp32_rescore: bool = False,
         model_kwargs: Mapping[str, Any] | None = None,
+        manifest: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         **options: Any,
     ) -> PCDEngine:
         """Load a hub id (pin `revision`), a local folder, or a GGUF file, then build the engine.
 
         `dtype` is float32 unless asked otherwise. With `fp32_rescore=True` and a lower `dtype`, the
         weights are loaded in float32 and kept as the re-scoring reference beside a `dtype` copy that
-        does the work (memory: both copies).
+        does the work (memory: both copies). A hub id downloads safetensors weights only. `manifest`
+        (a `pcd manifest create` file or dict) is checked against the files before they load: a
+        missing, changed or unlisted file raises ModelIntegrityError naming it.
         """
         model, tokenizer, reference = load_with_reference(
-            name_or_path, revision, gguf_file, device, dtype, fp32_rescore, model_kwargs or {}
+            name_or_path, revision, gguf_file, device, dtype, fp32_rescore, dict(model_kwargs or {}), manifest
         )
         if reference is not None:
             options["reference_model"] = reference

@@ -149,7 +149,7 @@ def build_plan(
         schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
         defs = schema.get("$defs", {})
         described = {f.path: describe(field_schema(schema, f.json_keys), defs) for f in compiled.open_fields}
-    system = system_text(compiled, instructions, codes, described, wording)
+    system = prompt.framed_system(system_text(compiled, instructions, codes, described, wording))
     if codes and examples:  # the examples answer the way the branches do: with the codes
         examples = tuple((text, _coded(answer, compiled, codes)) for text, answer in examples)
     if wording == "plain" and not compiled.open_fields:

@@ -26,6 +26,10 @@ class CharPrompt:
     def render_head(self, system: str, examples: tuple[tuple[str, str], ...] = ()) -> tuple[int, ...]:
         return tuple(self.encode_text(system + "".join(text + answer for text, answer in examples)))
 
+    @staticmethod
+    def framed_system(system: str) -> str:
+        return system  # the "turn" framing adds nothing
+
 
 class Ticket(BaseModel):
     topic: Literal["billing", "crash", "other"]  # distinct first characters: one token each
