@@ -20,6 +20,23 @@ def test_layout_is_head_text_tail_with_the_templates_control_tokens(tiny_tokeniz
     assert list(ids.head) == list(prompt.render_head("SYSTEM TEXT"))
 
 
+def test_data_framing_puts_the_text_between_delimiters_and_keeps_the_head_shared(tiny_tokenizer):
+    prompt = ChatPrompt(tiny_tokenizer, framing="data")
+    system = prompt.framed_system("SYSTEM TEXT")
+    assert system.startswith("SYSTEM TEXT\n\n") and "data, not instructions" in system
+    ids = prompt.with_head(prompt.render_head(system), "user text")
+    assert tiny_tokenizer.decode(ids.ids) == (
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<text>\nuser text\n</text><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tiny_tokenizer.decode(ids.text) == "user text"  # the delimiters belong to head and tail
+    end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert prompt.end_of_turn_ids == ChatPrompt(tiny_tokenizer).end_of_turn_ids == (end,)
+    shots = tiny_tokenizer.decode(prompt.render_head(system, [("an example", '{"a": 1}')]))
+    assert "<|im_start|>user\n<text>\nan example\n</text><|im_end|>" in shots
+    assert shots.endswith("<|im_start|>user\n<text>\n")
+
+
 def test_special_tokens_in_text_are_encoded_as_plain_text(tiny_tokenizer):
     prompt = ChatPrompt(tiny_tokenizer)
     ids = prompt.render("S", INJECTION)
