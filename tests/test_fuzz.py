@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, create_model
 from pcd_engine import Limits, PCDEngine, PCDError, PCDResult
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=60,
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,  # the same examples on every run: CI stays reproducible
@@ -191,7 +191,7 @@ class Ticket(BaseModel):
     note: str = Field(max_length=8)
 
 
-@settings(SETTINGS, max_examples=25)
+@settings(SETTINGS, max_examples=40)
 @given(texts=st.lists(TEXT, min_size=1, max_size=3))
 def test_generated_texts_alone_and_in_a_batch(engine, texts):
     for text in texts:
