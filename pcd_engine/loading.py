@@ -137,7 +137,7 @@ def hub_offline_reason(timeout: float = 3.0) -> str | None:
         return None
     except (OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
-        return f"{constants.ENDPOINT} did not answer within {timeout:g} s ({reason})"
+        return f"no answer from {constants.ENDPOINT} within {timeout:g} s: {reason}"
     return None
 
 
@@ -171,10 +171,12 @@ def load_with_reference(
 
 def _load_hint(repo_id: str, revision: str | None, offline: str | None, error: OSError) -> str:
     rev = f" --revision {revision}" if revision else ""
-    where = "is not in the local cache" if offline else "could not be fetched"
-    why = f"the hub cannot be reached ({offline}) and " if offline else ""
+    at = f" at revision {revision}" if revision else ""
+    if offline:  # huggingface_hub's own text then only suggests going online
+        problem = f"the hub cannot be used ({offline}), and {repo_id!r}{at} is not in the local cache"
+    else:
+        problem = f"{repo_id!r}{at} could not be fetched from the hub: {error}"
     return (
-        f"{why}{repo_id!r}{f' at revision {revision}' if revision else ''} {where}: {error}. "
-        f"On a machine with network, run `hf download {repo_id}{rev} --local-dir DIR`, copy DIR "
-        f"here and pass DIR (a local folder) or a .gguf file path instead of the hub id."
+        f"{problem}. On a machine with network, run `hf download {repo_id}{rev} --local-dir DIR`, copy "
+        f"DIR here and pass DIR (a local folder) or a .gguf file path instead of the hub id."
     )
