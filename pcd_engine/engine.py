@@ -78,7 +78,8 @@ class PCDEngine:
     "plain": as a `topic: billing` line, the label after a space), `allow_empty_text` (classify
     empty or whitespace-only texts instead of refusing them with InputError), `text_framing` ("turn":
     the text is the whole user message; "data": between `<text>` delimiters, with a system sentence
-    saying it is data, not instructions; docs/benchmarks.md measures both against injected text).
+    saying it is data, not instructions; "sandwich": "data" with the task restated after the text;
+    docs/benchmarks.md measures the three against injected text).
     """
 
     def __init__(

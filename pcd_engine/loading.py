@@ -128,7 +128,10 @@ def hub_offline_reason(timeout: float = 3.0) -> str | None:
     `timeout` seconds), or None when it answered. Any HTTP answer counts as reachable."""
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+    if (
+        constants.is_offline_mode()
+        or os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES
+    ):
         return "HF_HUB_OFFLINE is set"
     request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
     try:
