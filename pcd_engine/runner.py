@@ -7,7 +7,8 @@ that share a computed head: padded rows on that head, grouped so that rows x wid
 when CUDA runs out of memory, a group is halved and retried.
 
 Where the head's KV comes from (the prefix cache, or computed now) is the caller's choice
-(`scorer.py`); the layout of a call is `packing.py`'s, the LM head `projection.py`'s.
+(`scorer.py`); the layout of a call is `packing.py`'s, the LM head `projection.py`'s. Given a
+`HiddenCapture` per prompt, the same calls also keep the hidden states a head reads (`hidden.py`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from typing import Any
 
 import torch
 
-from pcd_engine import packing
+from pcd_engine import hidden, packing
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import frozen_view
+from pcd_engine.hidden import HiddenCapture
 from pcd_engine.projection import LMHeadProjection
+
+# per row of a call: its capture, the text's (start, end) in the row, the call's trees' global indices
+RowCapture = tuple[HiddenCapture, tuple[int, int] | None, Sequence[int]]
 
 
 @dataclass
@@ -77,8 +82,10 @@ class BranchRunner:
         kv: Any = None,
         past: int = 0,
         normalized: Sequence[bool] | None = None,
+        capture: HiddenCapture | None = None,
     ) -> list[torch.Tensor]:
-        """For each tree, its scored columns (see the class) after one prompt."""
+        """For each tree, its scored columns (see the class) after one prompt; with `capture`, also
+        its hidden states (the text must start at or after `past`)."""
         normalized = list(normalized) if normalized is not None else [True] * len(trees)
         budget = self.max_tokens_per_forward
         groups = packing.microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
@@ -90,7 +97,11 @@ class BranchRunner:
             keep_kv = len(groups) > 1 or kv is not None
             chosen = [trees[i] for i in group]
             packed = packing.pack_inputs(feed, len(prompt_ids) - len(feed), chosen)
-            (scores,), kv = self._forward(packed, chosen, [normalized[i] for i in group], kv, keep_kv)
+            rows = None
+            if capture is not None:
+                text = (capture.text_start - past, capture.text_end - past) if number == 0 else None
+                rows = [(capture, text, group)]
+            (scores,), kv = self._forward(packed, chosen, [normalized[i] for i in group], kv, keep_kv, rows)
             stats.forward_calls += 1
             stats.fed_tokens += len(feed) + sum(len(t.tokens) for t in chosen)
             out.extend(scores)
@@ -107,9 +118,11 @@ class BranchRunner:
         kv: Any,
         past: int,
         normalized: Sequence[bool],
+        capture: Sequence[HiddenCapture] | None = None,
     ) -> list[list[torch.Tensor]]:
         """`run` for prompts that share their first `past` tokens (whose KV is `kv`) and each `fits`,
-        several per forward call: rows sorted by width, grouped within the token budget."""
+        several per forward call: rows sorted by width, grouped within the token budget; with
+        `capture` (one per prompt), their hidden states too."""
         width = [len(p) - past + sum(len(t.tokens) for t in trees) for p in prompts]
         groups: list[list[int]] = [[]]
         for i in sorted(range(len(prompts)), key=width.__getitem__):  # the newcomer is the widest
@@ -118,7 +131,7 @@ class BranchRunner:
             groups[-1].append(i)
         out: dict[int, list[torch.Tensor]] = {}
         for group in groups:
-            out.update(self._rows(prompts, group, trees, normalized, kv, past, stats))
+            out.update(self._rows(prompts, group, trees, normalized, kv, past, stats, capture))
         return [out[i] for i in range(len(prompts))]
 
     def _rows(
@@ -130,6 +143,7 @@ class BranchRunner:
         shared: Any,
         past: int,
         stats: Sequence[PassStats],
+        capture: Sequence[HiddenCapture] | None,
     ) -> dict[int, list[torch.Tensor]]:
         """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many."""
         kv = frozen_view(shared, len(group))
@@ -138,8 +152,16 @@ class BranchRunner:
             if len(group) > 1:
                 kv.batch_repeat_interleave(len(group))
         packed = packing.pack_rows([prompts[i][past:] for i in group], past, trees)
+        rows: list[RowCapture] | None = None
+        if capture is not None:  # rows are left-padded to the call's width
+            width, tree_tokens = packed.ids.shape[1], sum(len(t.tokens) for t in trees)
+            rows = []
+            for i in group:
+                pad = width - (len(prompts[i]) - past + tree_tokens)
+                c = capture[i]
+                rows.append((c, (pad + c.text_start - past, pad + c.text_end - past), range(len(trees))))
         try:
-            scores, _ = self._forward(packed, trees, normalized, kv, keep_kv=False)
+            scores, _ = self._forward(packed, trees, normalized, kv, False, rows)
         except torch.OutOfMemoryError:
             if len(group) == 1:
                 raise
@@ -147,8 +169,8 @@ class BranchRunner:
             torch.cuda.empty_cache()
             half = len(group) // 2
             return {
-                **self._rows(prompts, group[:half], trees, normalized, shared, past, stats),
-                **self._rows(prompts, group[half:], trees, normalized, shared, past, stats),
+                **self._rows(prompts, group[:half], trees, normalized, shared, past, stats, capture),
+                **self._rows(prompts, group[half:], trees, normalized, shared, past, stats, capture),
             }
         tree_tokens = sum(len(t.tokens) for t in trees)
         for i in group:
@@ -181,8 +203,10 @@ class BranchRunner:
         normalized: Sequence[bool],
         kv: Any,
         keep_kv: bool,
+        capture: Sequence[RowCapture] | None = None,
     ) -> tuple[list[list[torch.Tensor]], Any]:
-        """Per row, per tree, the scored columns; and the grown KV when `keep_kv`."""
+        """Per row, per tree, the scored columns; and the grown KV when `keep_kv`. With `capture`
+        (one per row), each row's hidden states are read into its HiddenCapture."""
         ids, positions, allowed, offsets = packed
         keep = [offset + i for tree, offset in zip(trees, offsets, strict=True) for i in tree.scored]
         inputs: dict[str, Any] = {
@@ -194,6 +218,13 @@ class BranchRunner:
         if kv is not None:
             inputs[self.cache_kw] = kv
         keep_t = torch.tensor(keep, device=self.device)
-        per_tree, output = self.projection.forward(inputs, keep_t, trees, normalized)
+        if capture is None:
+            per_tree, output = self.projection.forward(inputs, keep_t, trees, normalized)
+        else:
+            with hidden.hooked(self.model) as seen:
+                per_tree, output = self.projection.forward(inputs, keep_t, trees, normalized)
+                for row, (into, text, indices) in enumerate(capture):
+                    forks = [(k, o + t.root) for k, o, t in zip(indices, offsets, trees, strict=True)]
+                    hidden.read(seen, row, into, text, forks)
         grown = output["cache" if "cache" in output else "past_key_values"] if keep_kv else None
         return [[scores[row] for scores in per_tree] for row in range(ids.shape[0])], grown

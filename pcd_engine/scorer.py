@@ -22,6 +22,7 @@ import torch
 
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import PrefixCache
+from pcd_engine.hidden import HiddenCapture
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.runner import BranchRunner, PassStats
@@ -45,9 +46,11 @@ class Scorer:
         *,
         only: Sequence[int] | None = None,
         normalized: Sequence[bool] | None = None,
+        capture: Sequence[HiddenCapture] | None = None,
     ) -> list[list[torch.Tensor]]:
         """Per prompt, per tree of the plan (or the trees numbered `only`), the runner's scored
-        columns. Every prompt starts with the plan's head; `normalized` overrides the plan's."""
+        columns. Every prompt starts with the plan's head; `normalized` overrides the plan's. With
+        `capture` (one per prompt), the same calls read each prompt's hidden states into it."""
         picked = range(len(plan.trees)) if only is None else only
         trees = [plan.trees[k] for k in picked]
         normalized = [plan.normalized[k] for k in picked] if normalized is None else list(normalized)
@@ -55,18 +58,21 @@ class Scorer:
             return [[] for _ in prompts]
         head_len = len(plan.head)
         if len(prompts) == 1:  # one call even without a prefix cache (a batch computes the head apart)
-            return [self._alone(prompts[0], trees, stats[0], head_len, normalized)]
+            return [self._alone(prompts[0], trees, stats[0], head_len, normalized, _at(capture, 0))]
         fits = [head_len > 0 and self.runner.fits(len(p) - head_len, trees) for p in prompts]
         together = [i for i, ok in enumerate(fits) if ok]
         out = {  # a prompt too long for the budget runs alone, its trees in microbatches
-            i: self._alone(p, trees, stats[i], head_len, normalized)
+            i: self._alone(p, trees, stats[i], head_len, normalized, _at(capture, i))
             for i, (p, ok) in enumerate(zip(prompts, fits, strict=True))
             if not ok
         }
         if together:
             kv = self._shared_head(prompts[together[0]][:head_len], [stats[i] for i in together])
             rows = [prompts[i] for i in together]
-            scored = self.runner.run_rows(rows, trees, [stats[i] for i in together], kv, head_len, normalized)
+            captured = [capture[i] for i in together] if capture is not None else None
+            scored = self.runner.run_rows(
+                rows, trees, [stats[i] for i in together], kv, head_len, normalized, captured
+            )
             out.update(zip(together, scored, strict=True))
         return [out[i] for i in range(len(prompts))]
 
@@ -119,11 +125,15 @@ class Scorer:
         stats: PassStats,
         head_len: int,
         normalized: Sequence[bool],
+        capture: HiddenCapture | None = None,
     ) -> list[torch.Tensor]:
         if not trees:  # a plan of single-value fields: nothing to run, not even the head
             return []
         kv, past = self.head_kv(prompt_ids, head_len, stats)
-        return self.runner.run(prompt_ids, trees, stats, kv, past, normalized)
+        if capture is not None and kv is not None and past > capture.text_start:  # feed the whole text
+            kv.crop(capture.text_start - past)
+            past = stats.reused_tokens = capture.text_start
+        return self.runner.run(prompt_ids, trees, stats, kv, past, normalized, capture)
 
     def _shared_head(self, head: Sequence[int], stats: Sequence[PassStats]) -> Any:
         """The head's KV for a batch, fetched or computed on the first row's behalf; the other rows
@@ -136,3 +146,7 @@ class Scorer:
         for other in stats[1:]:
             other.reused_tokens, other.cache_hit = len(head), first.cache_hit
         return kv
+
+
+def _at(capture: Sequence[HiddenCapture] | None, index: int) -> HiddenCapture | None:
+    return capture[index] if capture is not None else None
