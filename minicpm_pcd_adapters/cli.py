@@ -3,7 +3,8 @@
     pcd classify --schema examples/ticket.py:Ticket --input examples/tickets.txt \
         --output out/tickets.jsonl --model smollm2 [--calibration cal.json --abstain-below 0.6]
     pcd evaluate --schema ... --input labeled.jsonl --model smollm2 [--fit 50] [--examples 4]
-    pcd calibrate --schema ... --input labeled.jsonl --output cal.json --model smollm2
+    pcd calibrate --schema ... --input labeled.jsonl --output cal.json --model smollm2 [--method head]
+    pcd suggest --schema ... --input unlabeled.jsonl --count 50 --output to_label.jsonl (suggest.py)
     pcd classify --ray --actors 2 --schema ... --input folder/ --output answers/  (ray_files.py; [ray])
     pcd serve --model smollm2 [--port 8000 --api-key KEY]  (server.py; needs the [server] extra)
     pcd serve --ray --replicas 2 --model smollm2  (ray_serve.py; needs the [ray] extra)
@@ -41,6 +42,7 @@ from minicpm_pcd_adapters.files import classify_file, count_lines
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from minicpm_pcd_adapters.smollm2 import load_smollm2
+from minicpm_pcd_adapters.suggest import run_suggest
 from pcd_engine import (
     MANIFEST_NAME,
     RULES,
@@ -72,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration = Calibration.load(args.calibration) if getattr(args, "calibration", None) else None
         labeled = (
             read_labeled(Path(args.input), args.text_key, args.label_key)
-            if args.command != "classify"
+            if args.command in ("evaluate", "calibrate")
             else None
         )
         engine = load_engine(
@@ -90,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "calibrate":
         assert labeled is not None
         return run_calibrate(engine, schema, labeled, args)
+    if args.command == "suggest":
+        return run_suggest(engine, schema, args, calibration)
     return run_classify(engine, schema, args, calibration)
 
 
@@ -151,8 +155,19 @@ def _parser() -> argparse.ArgumentParser:
         "--label-key", default="label", help="key of the label object (also read: 'labels')"
     )
     calibrate.add_argument("--output", required=True, help="calibration JSON file to write")
-    calibrate.add_argument("--method", default="auto", help="auto, bias, temperature, batch or none")
+    calibrate.add_argument(
+        "--method", default="auto", help="auto, head, bias, temperature, batch or none (head: its "
+        "weights go beside the JSON, same name with .safetensors)"
+    )  # fmt: skip
     calibrate.add_argument("--folds", type=int, default=5, help="cross-validation folds of the report")
+    suggest = sub.add_parser("suggest", help="pick the texts most worth labeling next, ready to label")
+    _common(suggest, "JSONL file of unlabeled texts (objects with 'text', or strings) or text lines")
+    suggest.add_argument("--output", required=True, help='JSONL file to write: {"text", "label": the '
+                         'current best guess to correct, "pcd"} per suggested text')  # fmt: skip
+    suggest.add_argument("--count", type=int, default=50, help="how many texts to suggest (default 50)")
+    suggest.add_argument("--by", choices=("margin", "entropy"), default="margin", help="uncertainty: the "
+                         "lowest margin (default) or highest entropy over the fields")  # fmt: skip
+    suggest.add_argument("--calibration", default=None, help="judge certainty under this calibration")
     _serve_options(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     manifest = sub.add_parser("manifest", help="write or check the SHA-256 manifest of a model folder")
     action = manifest.add_subparsers(dest="action", required=True)
@@ -289,7 +304,8 @@ def run_classify_ray(args: argparse.Namespace) -> int:
         return 2
     options = {
         "instructions": args.instructions,
-        "calibration": calibration,
+        # checked above; each actor loads the file itself (a head's weights sit beside the JSON)
+        "calibration": str(Path(args.calibration).resolve()) if calibration is not None else None,
         "abstain_below": args.abstain_below,
     }
     ray.init(address=args.ray_address, log_to_driver=False)
@@ -430,6 +446,8 @@ def check_paths(args: argparse.Namespace) -> None:
     target = getattr(args, "output", None)
     if args.command == "classify" and getattr(args, "batch_size", 1) < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.command == "suggest" and args.count < 1:
+        raise ValueError(f"--count must be at least 1, got {args.count}")
     if target is None:
         return
     target = Path(target)
@@ -542,15 +560,22 @@ def run_evaluate(
                 **options,
             )
         variants = {"uncalibrated": base}
+
+        def calibrated(cal: Calibration) -> Evaluation:  # a head reads hidden states: score again
+            if not cal.needs_hidden:
+                return base.recalibrated(cal)
+            texts, labels = [t for t, _ in scoring], [y for _, y in scoring]
+            return evaluate(engine, schema, texts, labels, calibration=cal, **options)
+
         if calibration is not None:
-            variants["calibrated"] = base.recalibrated(calibration)
+            variants["calibrated"] = calibrated(calibration)
         if fitting:
             fitted = engine.calibrate(
                 schema, [t for t, _ in fitting], [y for _, y in fitting], method=args.method, **options
             )
             report.mkdir(parents=True, exist_ok=True)
             fitted.save(report / "calibration.json")
-            variants[f"calibrated on {len(fitting)}"] = base.recalibrated(fitted)
+            variants[f"calibrated on {len(fitting)}"] = calibrated(fitted)
     except PCDError as error:
         print(f"pcd: error: {error}", file=sys.stderr)
         return 2

@@ -27,10 +27,11 @@ import path `"module:Class"` / `"path/file.py:Class"`, or a JSON-schema dict.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from pcd_engine import Limits, PCDError, UnsupportedSchemaError, compile_schema, output_type
+from pcd_engine import Calibration, Limits, PCDError, UnsupportedSchemaError, compile_schema, output_type
 
 PREFIX = "pcd."
 # An actor that dies is restarted this many times and its batches retried as often (Ray Data's own
@@ -57,7 +58,8 @@ def classify_dataset(
 
     `model`: as `pcd classify --model` (a short name, hub id, folder or .gguf file); `engine_options`
     go to the engine's loader (`device`, `dtype`, `rule`, ...); `classify_options` to every
-    `classify_batch` (`instructions`, `calibration`, `abstain_below`, `examples`, ...). `actors`
+    `classify_batch` (`instructions`, `calibration`, `abstain_below`, `examples`, ...; `calibration`
+    may be a file path, which each actor loads with its heads' weights). `actors`
     engines run at once, each with `num_gpus` GPUs (GPU actors need an explicit `batch_size`).
     """
     import ray.data
@@ -142,6 +144,9 @@ class Classifier:
 
         self.engine = load_engine(model, **engine_options)
         self.schema = resolve_schema(schema)
+        calibration = classify_options.get("calibration")
+        if isinstance(calibration, str | os.PathLike):  # a path: each actor loads it (and its heads)
+            classify_options = {**classify_options, "calibration": Calibration.load(os.fspath(calibration))}
         self.text_column, self.columns, self.options = text_column, columns, classify_options
 
     def __call__(self, batch: Any) -> Any:

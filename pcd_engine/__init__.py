@@ -23,6 +23,8 @@ from pcd_engine.errors import (
 )
 from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate
 from pcd_engine.generate import Sampling
+from pcd_engine.heads import FieldHead
+from pcd_engine.hidden import HiddenStates
 from pcd_engine.manifest import MANIFEST_NAME, create_manifest, read_manifest, verify_manifest, write_manifest
 from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.plan import SchemaPlan
@@ -31,6 +33,7 @@ from pcd_engine.prompt import TEXT_FRAMINGS
 from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
+from pcd_engine.suggestions import LabelSuggestions, Suggestion
 
 __all__ = [
     "DEFAULT_RULE",
@@ -47,11 +50,14 @@ __all__ = [
     "Evaluation",
     "FieldCalibration",
     "FieldEvaluation",
+    "FieldHead",
     "FieldResult",
     "Generation",
     "GenerationChunk",
     "GreedyRule",
+    "HiddenStates",
     "InputError",
+    "LabelSuggestions",
     "Limits",
     "ModelIdentity",
     "ModelIntegrityError",
@@ -69,6 +75,7 @@ __all__ = [
     "SchemaPlan",
     "SelfCheck",
     "StructuredOutputError",
+    "Suggestion",
     "UnsupportedSchemaError",
     "compile_schema",
     "create_manifest",

@@ -3,10 +3,12 @@
     the rule's log-scores z (one per allowed value, prior already subtracted)
         -> z / temperature + bias -> softmax -> calibrated probabilities (the answer is their argmax)
 
-A `Calibration` holds one map per scored field (fitted by `fitting.py` from the user's texts), what it
-was fitted for (the plan's fingerprint, the model's identity, each field's rule) and its
-cross-validated report; it refuses to be applied to anything else. `save`/`load` write it as JSON.
-`abstain` marks the fields whose confidence is below a threshold.
+A `Calibration` holds one map per scored field (fitted by `fitting.py` from the user's texts), or a
+head (`heads.py`: a linear classifier that also reads the model's hidden states), what it was fitted
+for (the plan's fingerprint, the model's identity, each field's rule) and its cross-validated report;
+it refuses to be applied to anything else. `save`/`load` write it as JSON, and the heads' weights as
+safetensors beside it (`NAME.safetensors`, its SHA-256 recorded in the JSON). `abstain` marks the
+fields whose confidence is below a threshold.
 
 >>> cal = engine.calibrate(Ticket, texts, labels)  # doctest: +SKIP
 >>> cal.report["fields"]["topic"]["after"]["accuracy"]  # doctest: +SKIP
@@ -25,8 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 from pcd_engine.errors import CalibrationError
+from pcd_engine.heads import FieldHead, with_probabilities
+from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.results import FieldResult
 
@@ -47,21 +53,17 @@ class FieldCalibration:
         out = log_scores.double() / self.temperature
         return out + torch.tensor(self.bias, dtype=torch.float64) if self.bias else out
 
-    def apply(self, result: FieldResult) -> FieldResult:
+    def apply(self, result: FieldResult, hidden: HiddenStates | None = None) -> FieldResult:
         if result.source != "scored" or result.rule == "fixed":
             return result
         probs = torch.softmax(self.logits(torch.tensor(list(result.log_scores.values()))), dim=0).tolist()
-        values = list(result.log_scores)
-        chosen = max(range(len(probs)), key=probs.__getitem__)
-        runner_up = max((p for i, p in enumerate(probs) if i != chosen), default=0.0)
-        return dataclasses.replace(
-            result,
-            value=values[chosen],
-            probabilities=dict(zip(values, probs, strict=True)),
-            margin=probs[chosen] - runner_up,
-            calibrated=self.method != "none",
-            calibration=self.method,
-        )
+        return with_probabilities(result, probs, self.method)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FieldMap = FieldCalibration | FieldHead
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def model_identity(model: Any, probes: int = 8, width: int = 4096) -> ModelIdent
 class Calibration:
     """Fitted field maps plus what they were fitted for, and the cross-validated report."""
 
-    fields: Mapping[str, FieldCalibration]
+    fields: Mapping[str, FieldMap]
     schema: str  # SchemaPlan.fingerprint: fields, values and the whole prompt head text
     model: ModelIdentity
     rules: Mapping[str, str]  # the rule name each field was scored with
@@ -131,8 +133,15 @@ class Calibration:
                 f"fitted with {self.rules.get(wrong[0])!r}; use the same rule"
             )
 
-    def apply(self, fields: Mapping[str, FieldResult]) -> dict[str, FieldResult]:
-        return apply_all(self.fields, fields)
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether some field has a head, which reads hidden states kept by the scoring pass."""
+        return any(isinstance(f, FieldHead) for f in self.fields.values())
+
+    def apply(
+        self, fields: Mapping[str, FieldResult], hidden: HiddenStates | None = None
+    ) -> dict[str, FieldResult]:
+        return apply_all(self.fields, fields, hidden)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,14 +149,22 @@ class Calibration:
             "schema": self.schema,
             "model": dataclasses.asdict(self.model),
             "rules": dict(self.rules),
-            "fields": {path: dataclasses.asdict(f) for path, f in self.fields.items()},
+            "fields": {path: f.to_json() for path, f in self.fields.items()},
             "report": self.report,
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(
-            json.dumps(self.to_json(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
+        """Write the JSON to `path`; with heads, their weights to `path` with suffix .safetensors."""
+        path = Path(path)
+        data = self.to_json()
+        heads = {p: f for p, f in self.fields.items() if isinstance(f, FieldHead)}
+        if heads:
+            tensors = {k: t.contiguous() for p, h in heads.items() for k, t in h.tensors(p).items()}
+            blob = save_tensors(tensors, metadata={"format": FORMAT, "schema": self.schema})
+            weights = weights_path(path)
+            weights.write_bytes(blob)
+            data["weights"] = {"file": weights.name, "sha256": hashlib.sha256(blob).hexdigest()}
+        path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -155,17 +172,38 @@ class Calibration:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r} is not {FORMAT!r}")
+            tensors = _load_weights(Path(path), data.get("weights"))
+            fields: dict[str, FieldMap] = {}
+            for p, f in data["fields"].items():
+                if f["method"] == "head":
+                    fields[p] = FieldHead.from_json(f, tensors, p)
+                else:
+                    fields[p] = FieldCalibration(
+                        f["method"], tuple(f["values"]), float(f["temperature"]), tuple(f["bias"])
+                    )
             model = data["model"]
-            fields = {
-                p: FieldCalibration(
-                    f["method"], tuple(f["values"]), float(f["temperature"]), tuple(f["bias"])
-                )
-                for p, f in data["fields"].items()
-            }
             identity = ModelIdentity(model["name"], model["config"], tuple(model["probe"]))
             return cls(fields, data["schema"], identity, data["rules"], data.get("report", {}))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise CalibrationError(f"cannot load a calibration from {path}: {error}") from None
+
+
+def weights_path(path: Path) -> Path:
+    """Where a calibration saved at `path` keeps its heads' weights."""
+    return path.with_suffix(".safetensors")
+
+
+def _load_weights(path: Path, weights: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+    if weights is None:
+        return {}
+    file = path.parent / weights["file"]
+    try:
+        blob = file.read_bytes()
+    except OSError:
+        raise ValueError(f"its head weights {file} are missing (they are saved beside the JSON)") from None
+    if hashlib.sha256(blob).hexdigest() != weights["sha256"]:
+        raise ValueError(f"its head weights {file} are not the ones it was saved with (SHA-256 differs)")
+    return load_tensors(blob)
 
 
 def plan_rules(plan: SchemaPlan) -> dict[str, str]:
@@ -173,9 +211,11 @@ def plan_rules(plan: SchemaPlan) -> dict[str, str]:
 
 
 def apply_all(
-    calibrations: Mapping[str, FieldCalibration], fields: Mapping[str, FieldResult]
+    calibrations: Mapping[str, FieldMap],
+    fields: Mapping[str, FieldResult],
+    hidden: HiddenStates | None = None,
 ) -> dict[str, FieldResult]:
-    return {p: calibrations[p].apply(f) if p in calibrations else f for p, f in fields.items()}
+    return {p: calibrations[p].apply(f, hidden) if p in calibrations else f for p, f in fields.items()}
 
 
 def abstain(fields: Mapping[str, FieldResult], below: float) -> dict[str, FieldResult]:

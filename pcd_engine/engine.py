@@ -32,16 +32,18 @@ from pcd_engine.decisions import decide
 from pcd_engine.errors import CalibrationError, PCDError, PrecisionCheckError
 from pcd_engine.filling import JsonFiller
 from pcd_engine.generate import Generator, Sampling
+from pcd_engine.hidden import HiddenCapture, HiddenStates
 from pcd_engine.loading import load_with_reference
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, RequestOptions, elapsed_ms, example_turns, in_order, render_all
-from pcd_engine.results import Generation, GenerationChunk, PCDResult
+from pcd_engine.results import FieldResult, Generation, GenerationChunk, PCDResult
 from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
 from pcd_engine.scoring import Rule, get_rule
+from pcd_engine.suggestions import LabelSuggestions, Suggestion, pick_uncertain
 
 T = TypeVar("T", bound=BaseModel)
 DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
@@ -316,7 +318,9 @@ class PCDEngine:
         With `labels` (one object per text, in the schema's JSON form or as instances; a field
         missing from a label is left out for that field) the maps are fitted per field and their
         report is cross-validated over `folds`; without labels, batch calibration. `method`:
-        "auto", "bias", "temperature", "batch" or "none". Open fields are not generated.
+        "auto" (per field, the best cross-validated method that does not lower accuracy), "head"
+        (a linear head on the model's hidden states and the rule's scores), "bias",
+        "temperature", "batch" or "none". Open fields are not generated.
         """
         plan = self.plan(schema, instructions=instructions, rule=rule, examples=examples)
         if labels is not None:
@@ -325,11 +329,75 @@ class PCDEngine:
                 raise CalibrationError(f"{len(texts)} texts but {len(labels)} labels")
             for index, label in enumerate(labels):  # label errors before any model work
                 fitting.decision_labels(plan.compiled, label, index)
-        items = self._decided(plan, list(texts), single=False, return_exceptions=True)
-        if progress is not None:
-            progress(len(items))
-        per_text = [item.fields if isinstance(item, Request) else None for item in items]
-        return fitting.fit(plan, self.model_identity, per_text, labels, method, folds)
+        keep_hidden = labels is not None and method in ("auto", "head")
+        scored = self.score_fields(plan, texts, hidden=keep_hidden, progress=progress)
+        per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
+        hidden = [None if isinstance(s, PCDError) else s[1] for s in scored] if keep_hidden else None
+        return fitting.fit(plan, self.model_identity, per_text, labels, method, folds, hidden=hidden)
+
+    def score_fields(
+        self,
+        plan: SchemaPlan,
+        texts: Sequence[Any],
+        *,
+        hidden: bool = False,
+        calibration: Calibration | None = None,
+        chunk: int = 32,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[tuple[dict[str, FieldResult], HiddenStates | None] | PCDError]:
+        """Per text, its scored fields (calibrated with `calibration` if given) and, with `hidden`,
+        the hidden states a head reads; or the error it raised. No open field is generated. The
+        texts go `chunk` at a time (`progress(n)` after each): what `calibrate`, `suggest_labels`
+        and the label benchmarks build on."""
+        if calibration is not None:
+            calibration.check(plan, self.model_identity)
+        keep = hidden or (calibration is not None and calibration.needs_hidden)
+        items = render_all(self.prompt, plan, texts, self.limits, False, True, self.allow_empty_text)
+        if progress is not None:  # inputs refused before any model work
+            progress(sum(isinstance(item, PCDError) for item in items))
+        requests = [item for item in items if isinstance(item, Request)]
+        for start in range(0, len(requests), chunk):
+            part = requests[start : start + chunk]
+            self._score_and_rescore(plan, part, keep)
+            self._calibrate(plan, part, RequestOptions(calibration=calibration))
+            if progress is not None:
+                progress(len(part))
+        return [item if isinstance(item, PCDError) else (item.fields, item.hidden) for item in items]
+
+    def suggest_labels(
+        self,
+        schema: Any,
+        texts: Sequence[str],
+        count: int = 50,
+        *,
+        by: str = "margin",
+        calibration: Calibration | None = None,
+        instructions: str | None = None,
+        rule: str | Rule | None = None,
+        examples: Sequence[tuple[str, Any]] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> LabelSuggestions:
+        """The `count` texts most worth labeling next: the least certain answers (`by` "margin" or
+        "entropy", under `calibration` if given), spread over the predicted values (suggestions.py).
+        Each comes with its current best guess as a label to correct; a text that cannot be scored
+        is in `errors` by its index.
+
+        >>> picked = engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
+        >>> picked[0].text, picked[0].label  # doctest: +SKIP
+        """
+        plan = self.plan(schema, instructions=instructions, rule=rule, examples=examples)
+        texts = list(texts)
+        scored = self.score_fields(plan, texts, calibration=calibration, progress=progress)
+        per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
+        picked = []
+        for u in pick_uncertain(per_text, count, by):
+            fields = per_text[u.index]
+            assert fields is not None
+            chosen = {p: f.value for p, f in fields.items() if f.source == "scored"}
+            label = plan.compiled.assemble(chosen)
+            picked.append(Suggestion(texts[u.index], label, u.index, u.field, u.uncertainty))
+        errors = {i: s for i, s in enumerate(scored) if isinstance(s, PCDError)}
+        return LabelSuggestions(picked, errors)
 
     @cached_property
     def model_identity(self) -> calibration.ModelIdentity:
@@ -423,7 +491,8 @@ class PCDEngine:
             options.calibration.check(plan, self.model_identity)
         if options.batch_calibration and len(texts) < 2:
             raise CalibrationError("calibrate='batch' needs a batch of at least 2 texts")
-        items = self._decided(plan, texts, single, return_exceptions)  # phases 1 to 3
+        keep_hidden = options.calibration is not None and options.calibration.needs_hidden
+        items = self._decided(plan, texts, single, return_exceptions, keep_hidden)  # phases 1 to 3
         requests = [item for item in items if isinstance(item, Request)]
         # 4. calibrate the scored fields, mark those below the abstention threshold
         self._calibrate(plan, requests, options)
@@ -442,21 +511,29 @@ class PCDEngine:
         return in_order(items, target.to_output, return_exceptions, options.on_abstain == "raise")
 
     def _decided(
-        self, plan: SchemaPlan, texts: Sequence[Any], single: bool, return_exceptions: bool
+        self,
+        plan: SchemaPlan,
+        texts: Sequence[Any],
+        single: bool,
+        return_exceptions: bool,
+        keep_hidden: bool = False,
     ) -> list[Request | PCDError]:
-        """Phases 1 to 3: every input rendered (or its error), its scored fields decided."""
+        """Phases 1 to 3: every input rendered (or its error), its scored fields decided (and, with
+        `keep_hidden`, the hidden states a head reads kept from the same pass)."""
         # 1. render every input: a bad one fails here (or takes its place), before any model work
         items = render_all(
             self.prompt, plan, texts, self.limits, single, return_exceptions, self.allow_empty_text
         )
-        requests = [item for item in items if isinstance(item, Request)]
+        self._score_and_rescore(plan, [item for item in items if isinstance(item, Request)], keep_hidden)
+        return items
+
+    def _score_and_rescore(self, plan: SchemaPlan, requests: Sequence[Request], keep_hidden: bool) -> None:
         # 2. score the closed fields in packed passes, several requests per forward call
-        self._score(plan, requests)
+        self._score(plan, requests, keep_hidden)
         # 3. re-score close calls on the FP32 reference model
         if self.rescorer is not None:
             for request in requests:
                 self.rescorer.rescore(plan, request)
-        return items
 
     def _calibrate(self, plan: SchemaPlan, requests: Sequence[Request], options: RequestOptions) -> None:
         """Phase 4: the request's calibration, or one fitted on this batch's own scores; then
@@ -465,25 +542,32 @@ class PCDEngine:
         if options.batch_calibration and requests:
             maps = fitting.batch_maps(plan, [r.fields for r in requests])
         for request in requests:
-            request.fields = calibration.apply_all(maps, request.fields)
+            request.fields = calibration.apply_all(maps, request.fields, request.hidden)
             if options.abstain_below is not None:
                 request.fields = calibration.abstain(request.fields, options.abstain_below)
 
     def _abstain_below(self, value: float | None) -> float | None:
         return self.abstain_below if value is None else value
 
-    def _score(self, plan: SchemaPlan, requests: Sequence[Request]) -> None:
+    def _score(self, plan: SchemaPlan, requests: Sequence[Request], keep_hidden: bool = False) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the
-        rule corrects them)."""
+        rule corrects them); with `keep_hidden`, its hidden states from the same calls."""
         if not requests:
             return
         began = time.perf_counter()
         stats = [r.stats for r in requests]
-        runs = self.scorer.score(plan, [r.prompt.ids for r in requests], stats)
+        capture = None
+        if keep_hidden and plan.trees:
+            capture = [
+                HiddenCapture(len(r.prompt.head), len(r.prompt.head) + len(r.prompt.text)) for r in requests
+            ]
+        runs = self.scorer.score(plan, [r.prompt.ids for r in requests], stats, capture=capture)
         scored = time.perf_counter()
         wanted = any(dp.rule.corrects_prior for dp in plan.decisions)
         priors = self.scorer.priors(plan, stats[0]) if wanted else None
-        for request, logprobs in zip(requests, runs, strict=True):
+        for k, (request, logprobs) in enumerate(zip(requests, runs, strict=True)):
             request.fields = decide(plan, logprobs, priors)
+            if capture is not None:
+                request.hidden = capture[k].states()
             request.timings["forward"] = (scored - began) * 1e3 / len(requests)
             request.timings["score"] = elapsed_ms(scored) / len(requests)

@@ -77,7 +77,13 @@ class Evaluation:
 
     def recalibrated(self, calibration: Calibration) -> Evaluation:
         """The same answers with `calibration` applied to their fields (no model work): compare
-        calibrations on one scoring pass. It must have been fitted for the same plan and model."""
+        calibrations on one scoring pass. It must have been fitted for the same plan and model, and
+        have no head (a head reads hidden states the results do not keep: evaluate with it)."""
+        if calibration.needs_hidden:
+            raise CalibrationError(
+                "this calibration has heads, which read hidden states the answers do not keep; "
+                "evaluate with calibration= instead"
+            )
         results = [
             r if isinstance(r, PCDError) else dataclasses.replace(r, fields=calibration.apply(r.fields))
             for r in self.results

@@ -1,16 +1,22 @@
 """Fitting calibrations from the user's texts, per (schema, field), never scored on what they were fitted on.
 
 - "temperature": one temperature per field, from labels (does not change answers, only confidence);
-- "bias": a bias per value and a temperature, from labels, the bias L2-regularised toward the batch
-  calibration of the same texts (below), so that a value seen rarely or never in the labels falls
-  back to the label-free estimate (on ../shared/data this beat a prior at 0: docs/benchmarks.md);
+- "bias": a bias per value and a temperature, from labels, the bias pulled toward the batch
+  calibration of the same texts (below), more strongly for a value with few labels, so that a value
+  seen rarely or never in the labels falls back to the label-free estimate;
 - "batch": no labels; the bias is minus the log of each value's mean probability over the given texts
   (batch calibration, Zhou et al., ICLR 2024): a value the model favours for every text is discounted;
+- "head": from labels, a linear head on the rule's scores and one block of the model's hidden states
+  (`heads.py`), the block and its L2 strength chosen by cross-validation;
 - "none": the rule's own probabilities;
-- "auto" (with labels): per field, the method with the lowest cross-validated log-loss.
+- "auto" (with labels): per field, among the methods whose cross-validated accuracy and macro-F1 are
+  not below "none"'s, the one with the lowest cross-validated log-loss (within `LOG_LOSS_TIE`, the
+  simpler one, in `METHODS` order). "head" takes part when the texts' hidden states were kept and
+  `head_ready` holds.
 
 With labels, the report's figures are out-of-fold: each text's calibrated probabilities come from a
-map fitted on the other folds.
+map fitted on the other folds. It says per field which method was chosen and why, and warns when
+the labels' value shares differ strongly from the model's own estimate for the same texts.
 """
 
 from __future__ import annotations
@@ -23,52 +29,46 @@ from typing import Any
 
 import torch
 
-from pcd_engine import metrics
-from pcd_engine.calibration import Calibration, FieldCalibration, HeldOut, ModelIdentity, plan_rules
+from pcd_engine import heads, metrics
+from pcd_engine.calibration import (
+    Calibration,
+    FieldCalibration,
+    FieldMap,
+    HeldOut,
+    ModelIdentity,
+    plan_rules,
+)
 from pcd_engine.errors import CalibrationError
+from pcd_engine.hidden import BLOCKS, HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.results import FieldResult, json_key
 from pcd_engine.schema import CompiledSchema, JSONScalar
 
-METHODS = ("none", "temperature", "bias", "batch")
-BIAS_L2 = 1.0  # a Gaussian prior on the bias: the loss adds BIAS_L2 * sum((bias - batch)**2) / rows
+METHODS = ("none", "temperature", "batch", "bias", "head")  # simplest first: ties go to the earlier
+MAPS = METHODS[:4]  # the methods that read the rule's scores alone
+LOG_LOSS_TIE = 0.002  # cross-validated log-losses closer than this (nats) count as equal
+SKEW_WARNING = 0.25  # total variation between label shares and the model's estimate that warns
+HEAD_MIN_LABELS = 2  # a head needs at least this many labels of every value the labels use
 
 
 def fit_batch(values: tuple[str, ...], log_scores: torch.Tensor) -> FieldCalibration:
     """Batch calibration: bias = -log(mean probability of each value over the rows)."""
-    mean = torch.softmax(log_scores.double(), dim=1).mean(dim=0)
-    return FieldCalibration("batch", values, 1.0, tuple((-torch.log(mean.clamp_min(1e-12))).tolist()))
+    return FieldCalibration("batch", values, 1.0, tuple(heads.batch_prior(log_scores).tolist()))
 
 
 def fit_labeled(
     method: str, values: tuple[str, ...], log_scores: torch.Tensor, labels: torch.Tensor
 ) -> FieldCalibration:
-    """Fit `method` on rows of log-scores and the index of each row's true value."""
+    """Fit a map (`MAPS`) on rows of log-scores and the index of each row's true value."""
+    z = log_scores.double()
     if method == "none":
         return FieldCalibration("none", values)
     if method == "batch":
-        return fit_batch(values, log_scores)
-    z = log_scores.double()
-    inverse_t = torch.zeros((), dtype=torch.float64, requires_grad=True)  # log(1 / temperature)
-    prior = torch.zeros(z.shape[1], dtype=torch.float64)
-    if method == "bias":  # the label-free estimate from the same texts is where the bias starts
-        prior = torch.tensor(fit_batch(values, z).bias, dtype=torch.float64)
-    bias = prior.clone().requires_grad_(method == "bias")
-    params = [inverse_t, bias] if method == "bias" else [inverse_t]
-    optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        optimizer.zero_grad()
-        out = torch.nn.functional.cross_entropy(z * inverse_t.exp() + bias, labels)
-        if method == "bias":
-            out = out + BIAS_L2 * ((bias - prior) ** 2).sum() / len(labels)
-        out.backward()
-        return out
-
-    optimizer.step(loss)
-    temperature = float(torch.exp(-inverse_t.detach()))
-    shift = bias.detach() - bias.detach().mean()  # a constant shift changes nothing; keep it centred
-    return FieldCalibration(method, values, temperature, tuple(shift.tolist()) if method == "bias" else ())
+        return fit_batch(values, z)
+    if method == "temperature":
+        return FieldCalibration("temperature", values, heads.fit_temperature(z, labels))
+    scale, bias, _ = heads.fit_linear(z, labels, heads.batch_prior(z))
+    return FieldCalibration("bias", values, 1.0 / scale, tuple(bias.tolist()))
 
 
 def folds_of(n: int, folds: int, seed: int = 0) -> list[int]:
@@ -96,28 +96,38 @@ def out_of_fold(
 
 @dataclass
 class FieldData:
-    """One field's scores over the calibration texts: rows of log-scores, and labels where known."""
+    """One field's scores over the calibration texts: rows of log-scores, labels where known, and
+    per hidden-state block the rows' features (when the texts' hidden states were kept)."""
 
     values: tuple[str, ...]
+    tree: int  # the field's tree index in the plan
     rows: list[list[float]] = field(default_factory=list)
     labels: list[int | None] = field(default_factory=list)
+    features: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def collect(
-    plan: SchemaPlan, per_text: Sequence[Mapping[str, FieldResult] | None], labels: Sequence[Any] | None
+    plan: SchemaPlan,
+    per_text: Sequence[Mapping[str, FieldResult] | None],
+    labels: Sequence[Any] | None,
+    hidden: Sequence[HiddenStates | None] | None = None,
 ) -> dict[str, FieldData]:
-    """Per scored field, the log-scores of every answered text (None: the text failed) and the index
-    of its label (None where the label does not give that field)."""
+    """Per scored field, the log-scores of every answered text (None: the text failed), the index
+    of its label (None where the label does not give that field) and, with `hidden`, its features."""
     data: dict[str, FieldData] = {}
-    for dp in plan.scored_decisions:
-        data[dp.decision.path] = FieldData(tuple(json_key(c.value) for c in dp.decision.candidates))
+    for tree, dp in enumerate(plan.scored_decisions):
+        data[dp.decision.path] = FieldData(tuple(json_key(c.value) for c in dp.decision.candidates), tree)
     for i, fields in enumerate(per_text):
         if fields is None:
             continue
         truth = decision_labels(plan.compiled, labels[i], i) if labels is not None else {}
+        states = hidden[i] if hidden is not None else None
         for path, d in data.items():
             d.rows.append(list(fields[path].log_scores.values()))
             d.labels.append(d.values.index(json_key(truth[path])) if path in truth else None)
+            if states is not None:
+                for block in BLOCKS:
+                    d.features.setdefault(block, []).append(states.block(block, d.tree))
     return data
 
 
@@ -164,15 +174,20 @@ def fit(
     method: str = "auto",
     folds: int = 5,
     seed: int = 0,
+    hidden: Sequence[HiddenStates | None] | None = None,
 ) -> Calibration:
     """A Calibration of every scored field from the texts' raw field results (None: a text that got
-    no answer) and, when given, their labels. With labels, the report's figures are out-of-fold."""
+    no answer), when given their labels, and for "head" (or "auto" with heads) their hidden states.
+    With labels, the report's figures are out-of-fold."""
     if method not in (*METHODS, "auto"):
         raise CalibrationError(f"unknown method {method!r}; choose one of {[*METHODS, 'auto']}")
     if labels is None and method not in ("batch", "auto", "none"):
         raise CalibrationError(f"method {method!r} needs labels; without labels use 'batch'")
-    data = collect(plan, per_text, labels)
-    fitted, reports, held = {}, {}, {}
+    if method == "head" and hidden is None:
+        raise CalibrationError("method 'head' needs the texts' hidden states (engine.calibrate keeps them)")
+    data = collect(plan, per_text, labels, hidden)
+    fitted: dict[str, FieldMap] = {}
+    reports, held = {}, {}
     for path, d in data.items():
         if labels is None:
             fitted[path], reports[path] = _fit_unlabeled(d, "batch" if method == "auto" else method)
@@ -211,7 +226,7 @@ def _fit_unlabeled(d: FieldData, method: str) -> tuple[FieldCalibration, dict[st
 
 def _fit_labeled_field(
     d: FieldData, method: str, folds: int, seed: int
-) -> tuple[FieldCalibration, dict[str, Any], HeldOut | None]:
+) -> tuple[FieldMap, dict[str, Any], HeldOut | None]:
     keep = [i for i, y in enumerate(d.labels) if y is not None]
     if len(keep) < 2:
         none = FieldCalibration("none", d.values)
@@ -219,22 +234,92 @@ def _fit_labeled_field(
     z = torch.tensor([d.rows[i] for i in keep], dtype=torch.float64)
     y = torch.tensor([d.labels[i] for i in keep])
     fold = folds_of(len(keep), min(folds, len(keep)), seed)
-    tried = list(METHODS) if method == "auto" else [method]
-    held_out = {m: out_of_fold(m, d.values, z, y, fold) for m in tried}
-    losses = {m: metrics.log_loss(p.tolist(), y.tolist()) for m, p in held_out.items()}
-    chosen = min(tried, key=lambda m: (losses[m], tried.index(m)))
+    features = {b: torch.stack([rows[i] for i in keep]).double() for b, rows in d.features.items()}
+    ready = head_ready(y.tolist(), len(d.values)) and bool(features)
+    if method == "head" and not ready:
+        raise CalibrationError(
+            f"method 'head' needs at least {HEAD_MIN_LABELS} labels of every value the labels use "
+            f"(and 2 values); field has {dict(Counter(d.values[i] for i in y.tolist()))}"
+        )
+    tried = [m for m in METHODS if m != "head" or ready] if method == "auto" else [method]
+    held_out = {m: out_of_fold(m, d.values, z, y, fold) for m in tried if m != "head"}
+    head_fit = None
+    if "head" in tried:
+        head_fit = heads.fit_head(d.values, z, features, y, fold, d.tree)
+        held_out["head"] = head_fit.out_of_fold
+    scores = {m: metrics.field_report(p.tolist(), y.tolist()) for m, p in held_out.items()}
+    chosen, reason = choose(scores) if method == "auto" else (method, "asked for")
     raw = torch.softmax(z, dim=1).tolist()
     majority = [_fold_majority(y.tolist(), fold, k) for k in range(len(keep))]
-    report = {
+    report: dict[str, Any] = {
         "method": chosen,
+        "reason": reason,
         "n": len(keep),
-        "cv_log_loss": losses,
+        "cv_log_loss": {m: r["log_loss"] for m, r in scores.items()},
+        "cv": {m: {k: r[k] for k in ("accuracy", "macro_f1", "log_loss")} for m, r in scores.items()},
         "before": metrics.field_report(raw, y.tolist()),
-        "after": metrics.field_report(held_out[chosen].tolist(), y.tolist()),
+        "after": scores[chosen],
         "majority": sum(m == t for m, t in zip(majority, y.tolist(), strict=True)) / len(keep),
+        "label_shares": _shares(d.values, y.tolist()),
+        "model_shares": dict(zip(d.values, torch.softmax(z, dim=1).mean(dim=0).tolist(), strict=True)),
     }
+    if method == "auto" and not ready:
+        report["head"] = f"not tried: needs {HEAD_MIN_LABELS} labels of every value the labels use"
+    if head_fit is not None:
+        report["head_configs"] = head_fit.tried
+        report["head_block"], report["head_l2"] = head_fit.head.block, head_fit.head.l2
+    warning = skew_warning(report["label_shares"], report["model_shares"])
+    if warning:
+        report["warning"] = warning
     held = HeldOut(y.tolist(), raw, held_out[chosen].tolist())
+    if chosen == "head":
+        assert head_fit is not None
+        return head_fit.head, report, held
     return fit_labeled(chosen, d.values, z, y), report, held
+
+
+def head_ready(labels: Sequence[int], values: int) -> bool:
+    """Whether a head can be fitted: 2 values or more in the labels, each labeled HEAD_MIN_LABELS
+    times or more (a value never labeled is answered through the rule's scores and the bias)."""
+    counts = Counter(labels)
+    return len(counts) >= 2 and min(counts.values()) >= HEAD_MIN_LABELS
+
+
+def choose(scores: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:
+    """(method, why): among the methods whose cross-validated accuracy and macro-F1 are not below
+    "none"'s, the lowest log-loss, the simpler one within LOG_LOSS_TIE."""
+    floor = scores["none"]
+    safe = [m for m in scores if all(scores[m][k] >= floor[k] - 1e-12 for k in ("accuracy", "macro_f1"))]
+    best = min(scores[m]["log_loss"] for m in safe)
+    chosen = next(m for m in METHODS if m in safe and scores[m]["log_loss"] <= best + LOG_LOSS_TIE)
+    left_out = [
+        f"{m} (accuracy {scores[m]['accuracy']:.3f}, macro-F1 {scores[m]['macro_f1']:.3f})"
+        for m in scores
+        if m not in safe
+    ]
+    why = (
+        f"lowest cross-validated log-loss ({scores[chosen]['log_loss']:.3f}, ties within "
+        f"{LOG_LOSS_TIE} go to the simpler method) among methods whose cross-validated accuracy and "
+        f"macro-F1 are not below none's ({floor['accuracy']:.3f}, {floor['macro_f1']:.3f})"
+    )
+    if left_out:
+        why += "; left out for lowering them: " + ", ".join(left_out)
+    return chosen, why
+
+
+def skew_warning(labels: Mapping[str, float], model: Mapping[str, float]) -> str | None:
+    """A warning when the labels' value shares differ strongly from the model's mean probabilities
+    over the same texts (labels that are not a random sample teach a bias their skew)."""
+    distance = 0.5 * sum(abs(labels[v] - model[v]) for v in labels)
+    if distance < SKEW_WARNING:
+        return None
+    top = max(labels, key=labels.__getitem__)
+    return (
+        f"the labels' value shares differ strongly from what the model predicts for the same texts "
+        f"(total variation {distance:.2f}; {top!r} is {labels[top]:.0%} of the labels, the model "
+        f"gives it {model[top]:.0%}): if the labeled texts are not a random sample of what you "
+        "classify, a bias fitted on them learns their skew"
+    )
 
 
 def _fold_majority(labels: list[int], fold: Sequence[int], row: int) -> int:
@@ -262,9 +347,12 @@ def _summary(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     }
 
 
-def _shares(values: tuple[str, ...], probabilities: torch.Tensor) -> dict[str, float]:
-    counts = Counter(int(i) for i in probabilities.argmax(dim=1))
-    return {v: counts.get(i, 0) / len(probabilities) for i, v in enumerate(values)}
+def _shares(values: tuple[str, ...], answers: torch.Tensor | Sequence[int]) -> dict[str, float]:
+    """Each value's share of the answers (indices, or the argmax of rows of probabilities)."""
+    if isinstance(answers, torch.Tensor):
+        answers = answers.argmax(dim=1).tolist()
+    counts = Counter(int(i) for i in answers)
+    return {v: counts.get(i, 0) / max(len(answers), 1) for i, v in enumerate(values)}
 
 
 def batch_maps(

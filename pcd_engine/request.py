@@ -19,6 +19,7 @@ from pcd_engine.calibration import Calibration
 from pcd_engine.decisions import closed_value
 from pcd_engine.errors import AbstentionError, CalibrationError, InputError, PCDError, StructuredOutputError
 from pcd_engine.generate import Sampling
+from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt, PromptIds
 from pcd_engine.results import Diagnostics, FieldResult, PCDResult
@@ -82,6 +83,7 @@ class Request:
     timings: dict[str, float] = field(default_factory=dict)
     stats: PassStats = field(default_factory=PassStats)
     fields: dict[str, FieldResult] = field(default_factory=dict)
+    hidden: HiddenStates | None = None  # kept by the scoring pass when a head will read them
     value: BaseModel | None = None
     error: PCDError | None = None
     generated_tokens: int = 0

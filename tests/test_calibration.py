@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from pcd_engine import AbstentionError, Calibration, CalibrationError, PCDEngine, metrics
 from pcd_engine.fitting import (
+    LOG_LOSS_TIE,
     decision_labels,
     fit_batch,
     fit_labeled,
@@ -157,12 +158,16 @@ def test_a_fitted_calibration_is_applied_and_survives_save_and_load(engine, tmp_
     assert result.value.topic == result.fields["topic"].value
 
 
-def test_auto_picks_per_field_the_lowest_cross_validated_log_loss(engine):
+def test_auto_picks_the_lowest_cross_validated_log_loss_that_keeps_accuracy(engine):
     cal = engine.calibrate(Ticket, TEXTS, LABELS, folds=3)
     for report in cal.report["fields"].values():
-        losses = report["cv_log_loss"]
-        assert set(losses) == {"none", "temperature", "bias", "batch"}
-        assert losses[report["method"]] == min(losses.values())
+        cv = report["cv"]
+        assert set(cv) == {"none", "temperature", "bias", "batch", "head"}  # every value labeled twice
+        safe = [m for m, r in cv.items() if r["accuracy"] >= cv["none"]["accuracy"] and
+                r["macro_f1"] >= cv["none"]["macro_f1"]]
+        assert report["method"] in safe
+        assert cv[report["method"]]["log_loss"] <= min(cv[m]["log_loss"] for m in safe) + LOG_LOSS_TIE
+        assert "not below none's" in report["reason"]
 
 
 def test_a_calibration_is_refused_for_another_schema_rule_model_or_prompt(engine, tmp_path, tiny_tokenizer):

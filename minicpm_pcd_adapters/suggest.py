@@ -1,0 +1,68 @@
+"""`pcd suggest`: the texts of a file most worth labeling next, written ready to label.
+
+Each suggestion is a line `pcd calibrate` reads once its label is corrected:
+`{"text": ..., "label": {...the current best guess...}, "pcd": {"line", "field", "uncertainty"}}`.
+An input line that cannot be scored gets an error record (`{"line", "error"}`) in a file beside the
+output (`NAME.errors.jsonl`), so that the output stays a clean labeling file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from tqdm import tqdm
+
+from minicpm_pcd_adapters.files import iter_inputs
+from pcd_engine import Calibration, PCDEngine
+
+
+def errors_path(output: Path) -> Path:
+    return output.with_name(output.stem + ".errors.jsonl")
+
+
+def run_suggest(
+    engine: PCDEngine, schema: type[BaseModel], args: argparse.Namespace, calibration: Calibration | None
+) -> int:
+    """Exit codes: 0 every line scored, 1 some lines got error records."""
+    records = list(iter_inputs(Path(args.input), args.text_key))
+    readable = [r for r in records if "text" in r]
+    errors: list[dict[str, Any]] = [{"line": r["line"], "error": r["error"]} for r in records if "error" in r]
+    with tqdm(total=len(readable), desc="suggest", unit="text", file=sys.stderr) as bar:
+        found = engine.suggest_labels(
+            schema,
+            [r["text"] for r in readable],
+            args.count,
+            by=args.by,
+            calibration=calibration,
+            instructions=args.instructions,
+            progress=bar.update,
+        )
+    for index, error in found.errors.items():
+        errors.append(
+            {"line": readable[index]["line"], "error": {"type": type(error).__name__, "message": str(error)}}
+        )
+    output = Path(args.output)
+    with output.open("w", encoding="utf-8") as handle:
+        for s in found.picked:
+            record = s.to_json()
+            record["pcd"] = {"line": readable[s.index]["line"], **record["pcd"]}
+            del record["pcd"]["index"]
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    side = errors_path(output)
+    if errors:
+        with side.open("w", encoding="utf-8") as handle:
+            for e in sorted(errors, key=lambda e: e["line"]):
+                handle.write(json.dumps(e, ensure_ascii=False) + "\n")
+    elif side.exists():
+        side.unlink()  # from an earlier run
+    print(
+        f"pcd: {len(found.picked)} texts to label -> {output}"
+        + (f"; {len(errors)} lines could not be scored -> {side}" if errors else ""),
+        file=sys.stderr,
+    )
+    return 1 if errors else 0
