@@ -7,7 +7,8 @@
 - "batch": no labels; the bias is minus the log of each value's mean probability over the given texts
   (batch calibration, Zhou et al., ICLR 2024): a value the model favours for every text is discounted;
 - "head": from labels, a linear head on the rule's scores and one block of the model's hidden states
-  (`heads.py`), the block and its L2 strength chosen by cross-validation;
+  (`heads.py`), the block and its L2 strength chosen by cross-validation; a field whose labels are
+  too few for one (`head_ready`) is fitted as "auto" is, and its report says why;
 - "none": the rule's own probabilities;
 - "auto" (with labels): per field, among the methods whose cross-validated accuracy and macro-F1 are
   not below "none"'s, the one with the lowest cross-validated log-loss (within `LOG_LOSS_TIE`, the
@@ -192,7 +193,7 @@ def fit(
         if labels is None:
             fitted[path], reports[path] = _fit_unlabeled(d, "batch" if method == "auto" else method)
             continue
-        fitted[path], reports[path], out = _fit_labeled_field(d, method, folds, seed)
+        fitted[path], reports[path], out = fit_field(d, method, folds, seed)
         if out is not None:
             held[path] = out
     answered = sum(f is not None for f in per_text)
@@ -224,7 +225,7 @@ def _fit_unlabeled(d: FieldData, method: str) -> tuple[FieldCalibration, dict[st
     }
 
 
-def _fit_labeled_field(
+def fit_field(
     d: FieldData, method: str, folds: int, seed: int
 ) -> tuple[FieldMap, dict[str, Any], HeldOut | None]:
     keep = [i for i, y in enumerate(d.labels) if y is not None]
@@ -236,19 +237,17 @@ def _fit_labeled_field(
     fold = folds_of(len(keep), min(folds, len(keep)), seed)
     features = {b: torch.stack([rows[i] for i in keep]).double() for b, rows in d.features.items()}
     ready = head_ready(y.tolist(), len(d.values)) and bool(features)
-    if method == "head" and not ready:
-        raise CalibrationError(
-            f"method 'head' needs at least {HEAD_MIN_LABELS} labels of every value the labels use "
-            f"(and 2 values); field has {dict(Counter(d.values[i] for i in y.tolist()))}"
-        )
-    tried = [m for m in METHODS if m != "head" or ready] if method == "auto" else [method]
+    fallback = method == "head" and not ready  # this field chooses as "auto" does, without a head
+    tried = [m for m in METHODS if m != "head" or ready] if method == "auto" or fallback else [method]
     held_out = {m: out_of_fold(m, d.values, z, y, fold) for m in tried if m != "head"}
     head_fit = None
     if "head" in tried:
         head_fit = heads.fit_head(d.values, z, features, y, fold, d.tree)
         held_out["head"] = head_fit.out_of_fold
     scores = {m: metrics.field_report(p.tolist(), y.tolist()) for m, p in held_out.items()}
-    chosen, reason = choose(scores) if method == "auto" else (method, "asked for")
+    chosen, reason = choose(scores) if method == "auto" or fallback else (method, "asked for")
+    if fallback:
+        reason = f"no head: {_not_ready(d.values, y.tolist())}; then {reason}"
     raw = torch.softmax(z, dim=1).tolist()
     majority = [_fold_majority(y.tolist(), fold, k) for k in range(len(keep))]
     report: dict[str, Any] = {
@@ -263,8 +262,8 @@ def _fit_labeled_field(
         "label_shares": _shares(d.values, y.tolist()),
         "model_shares": dict(zip(d.values, torch.softmax(z, dim=1).mean(dim=0).tolist(), strict=True)),
     }
-    if method == "auto" and not ready:
-        report["head"] = f"not tried: needs {HEAD_MIN_LABELS} labels of every value the labels use"
+    if not ready:
+        report["head"] = f"not tried: {_not_ready(d.values, y.tolist())}"
     if head_fit is not None:
         report["head_configs"] = head_fit.tried
         report["head_block"], report["head_l2"] = head_fit.head.block, head_fit.head.l2
@@ -283,6 +282,11 @@ def head_ready(labels: Sequence[int], values: int) -> bool:
     times or more (a value never labeled is answered through the rule's scores and the bias)."""
     counts = Counter(labels)
     return len(counts) >= 2 and min(counts.values()) >= HEAD_MIN_LABELS
+
+
+def _not_ready(values: tuple[str, ...], labels: Sequence[int]) -> str:
+    counts = dict(Counter(values[i] for i in labels))
+    return f"a head needs {HEAD_MIN_LABELS} labels of every value the labels use, and 2 values ({counts})"
 
 
 def choose(scores: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:

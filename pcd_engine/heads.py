@@ -256,6 +256,7 @@ def fit_head(
     chosen configuration's out-of-fold logits, and refit the head on every row."""
     tried: dict[str, float] = {}
     best: tuple[float, str, float, torch.Tensor] | None = None
+    features = {block: x.double() for block, x in features.items()}
     for block, x in features.items():
         for l2 in L2_GRID:
             logits = out_of_fold_logits(values, z, x, labels, fold, block, tree, l2)

@@ -1,0 +1,274 @@
+"""Labels never make answers worse, and heads learn from the model's own features: the `auto` guard
+and the head's math on synthetic scores, then heads on a tiny random Llama (applied, saved, loaded,
+refused) and the texts worth labeling next (engine and `pcd suggest`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from pcd_engine import Calibration, CalibrationError, FieldHead, PCDEngine
+from pcd_engine.calibration import weights_path
+from pcd_engine.fitting import METHODS, FieldData, choose, fit_field, head_ready
+from pcd_engine.heads import fit_head, out_of_fold_logits
+from pcd_engine.suggestions import pick_uncertain, uncertainty
+from pcd_engine.fitting import folds_of
+from pcd_engine.results import FieldResult
+
+
+class Ticket(BaseModel):
+    topic: Literal["billing", "crash", "other"]
+    urgent: bool
+
+
+TEXTS = [
+    "I was charged twice for my order",
+    "The app crashes when I log in",
+    "Where is my parcel?",
+    "please refund me",
+    "How do I change my password?",
+    "charged twice, app crashes",
+    "my invoice is wrong",
+    "it freezes on start",
+    "hello there",
+    "refund the double charge",
+]
+LABELS = [
+    {"topic": t, "urgent": u}
+    for t, u in [
+        ("billing", True), ("crash", True), ("other", False), ("billing", False), ("other", False),
+        ("crash", True), ("billing", False), ("crash", True), ("other", False), ("billing", True),
+    ]
+]  # fmt: skip
+
+
+def skewed_case() -> FieldData:
+    """50 labels, 18 of one value, and overconfident but informative scores (seed found by search):
+    the bias map has the lowest cross-validated log-loss and lowers accuracy."""
+    generator = torch.Generator().manual_seed(83)
+    labels = torch.tensor([0] * 18 + [1] * 11 + [2] * 11 + [3] * 10)
+    z = torch.randn(50, 4, generator=generator, dtype=torch.float64) * 3
+    z[torch.arange(50), labels] += 2.5
+    return FieldData(("a", "b", "c", "d"), 0, z.tolist(), labels.tolist())
+
+
+def test_auto_does_not_choose_the_map_that_learns_the_labels_skew():
+    _, report, held = fit_field(skewed_case(), "auto", 5, 0)
+    cv = report["cv"]
+    # the case as the issue saw it: bias wins on log-loss (the old rule chose it) and loses accuracy
+    assert cv["bias"]["log_loss"] == min(r["log_loss"] for r in cv.values() if r is not cv.get("head"))
+    assert cv["bias"]["accuracy"] < cv["none"]["accuracy"]
+    assert report["method"] != "bias"
+    assert cv[report["method"]]["accuracy"] >= cv["none"]["accuracy"]
+    assert cv[report["method"]]["macro_f1"] >= cv["none"]["macro_f1"]
+    assert "bias (accuracy" in report["reason"]  # says what it left out and why
+    assert held is not None and len(held.after) == 50
+
+
+def test_choose_prefers_the_simpler_method_within_the_tie():
+    scores = {
+        "none": {"accuracy": 0.5, "macro_f1": 0.4, "log_loss": 1.0},
+        "temperature": {"accuracy": 0.5, "macro_f1": 0.4, "log_loss": 0.9005},
+        "bias": {"accuracy": 0.6, "macro_f1": 0.5, "log_loss": 0.9},
+        "head": {"accuracy": 0.4, "macro_f1": 0.5, "log_loss": 0.5},  # lower accuracy: never chosen
+    }
+    assert choose(scores)[0] == "temperature"
+    scores["bias"]["log_loss"] = 0.8
+    assert choose(scores)[0] == "bias"
+    assert [m for m in METHODS if m in scores] == ["none", "temperature", "bias", "head"]
+
+
+def test_the_report_warns_when_the_labels_are_skewed_against_the_model():
+    z = torch.zeros(40, 3, dtype=torch.float64)
+    z[:, 1] = 0.1  # the model sees the values as about equally likely
+    data = FieldData(("a", "b", "c"), 0, z.tolist(), [0] * 36 + [1, 1, 2, 2])
+    _, report, _ = fit_field(data, "auto", 5, 0)
+    assert "differ strongly" in report["warning"] and "'a' is 90%" in report["warning"]
+    balanced = FieldData(("a", "b", "c"), 0, z.tolist(), [0, 1, 2, 1] * 10)
+    assert "warning" not in fit_field(balanced, "auto", 5, 0)[1]
+
+
+def test_a_value_with_few_labels_keeps_its_bias_near_the_label_free_estimate():
+    from pcd_engine.heads import batch_prior, fit_linear, value_penalty
+
+    labels = torch.tensor([0] * 30 + [1] * 30 + [2] * 1)
+    pull = value_penalty(labels, 3)
+    assert pull[2] > pull[0] == pull[1]
+    z = torch.zeros(61, 3, dtype=torch.float64)
+    _, bias, _ = fit_linear(z, labels, batch_prior(z))
+    # without the pull a value seen once in 61 labels would get a bias of log(1/30) below the others
+    assert float(bias[0] - bias[2]) < 0.6 * float(torch.log(torch.tensor(30.0)))
+
+
+def separable(n: int = 60, dims: int = 3, seed: int = 0):
+    """Scores that know nothing, features whose first dimension separates three values."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % 3
+    x = torch.randn(n, dims, generator=generator, dtype=torch.float64)
+    x[:, 0] += labels.double() * 6
+    return torch.zeros(n, 3, dtype=torch.float64), x, labels
+
+
+def test_a_head_learns_a_separable_case_and_auto_chooses_it():
+    z, x, labels = separable()
+    fitted = fit_head(("a", "b", "c"), z, {"fork": x, "text_last": torch.randn(60, 3)}, labels, folds_of(60, 5), 0)
+    assert fitted.head.block == "fork"
+    oof = fitted.out_of_fold
+    assert torch.allclose(oof.sum(dim=1), torch.ones(60, dtype=torch.float64))
+    assert (oof.argmax(dim=1) == labels).double().mean() >= 0.9  # chance: 1/3
+    probs = torch.softmax(fitted.head.logits(z, x), dim=1)
+    assert torch.allclose(probs.sum(dim=1), torch.ones(60, dtype=torch.float64))
+    data = FieldData(("a", "b", "c"), 0, z.tolist(), labels.tolist(), {"fork": list(x)})
+    head, report, _ = fit_field(data, "auto", 5, 0)
+    assert isinstance(head, FieldHead) and report["method"] == "head"
+    assert report["cv"]["head"]["accuracy"] >= 0.9 and report["cv"]["none"]["accuracy"] < 0.5
+
+
+def test_out_of_fold_never_scores_a_row_on_a_head_fitted_with_it():
+    # labels are noise; 40 rows in 200 dimensions: a head that saw a row memorises it
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 200, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 2, (40,), generator=generator)
+    z = torch.zeros(40, 2, dtype=torch.float64)
+    fold = folds_of(40, 5)
+    oof = out_of_fold_logits(("a", "b"), z, x, labels, fold, "fork", 0, 1e-4)
+    from pcd_engine.heads import fit_config
+
+    memorised = fit_config(("a", "b"), z, x, labels, "fork", 0, 1e-4).logits(z, x)
+    assert (memorised.argmax(dim=1) == labels).double().mean() == 1.0
+    assert (oof.argmax(dim=1) == labels).double().mean() < 0.75
+
+
+def test_head_ready_needs_two_labels_of_each_value_used():
+    assert head_ready([0, 0, 1, 1], 3)
+    assert not head_ready([0, 0, 1], 3)
+    assert not head_ready([0, 0, 0], 3)
+
+
+@pytest.fixture
+def engine(tiny_model, tiny_tokenizer):
+    return PCDEngine(tiny_model, tiny_tokenizer)
+
+
+def test_a_head_in_classify_equals_its_math_on_the_kept_hidden_states(engine):
+    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
+    assert cal.needs_hidden and all(isinstance(f, FieldHead) for f in cal.fields.values())
+    plan = engine.plan(Ticket)
+    ((raw_fields, hidden),) = engine.score_fields(plan, [TEXTS[0]], hidden=True)
+    result = engine.classify(TEXTS[0], Ticket, calibration=cal)
+    for path, f in result.fields.items():
+        head = cal.fields[path]
+        assert isinstance(head, FieldHead)
+        z = torch.tensor(list(raw_fields[path].log_scores.values()), dtype=torch.float64)
+        want = torch.softmax(head.logits(z, head.features(hidden).double()), dim=0)
+        assert list(f.probabilities.values()) == pytest.approx(want.tolist(), abs=1e-6)
+        assert f.calibration == "head" and f.log_scores == pytest.approx(raw_fields[path].log_scores)
+    batched = engine.classify_batch(TEXTS, Ticket, calibration=cal)  # padded rows: same answers
+    for text, r in zip(TEXTS, batched, strict=True):
+        alone = engine.classify(text, Ticket, calibration=cal)
+        for path, f in r.fields.items():
+            assert f.value == alone.fields[path].value
+            assert list(f.probabilities.values()) == pytest.approx(list(alone.fields[path].probabilities.values()), abs=1e-4)
+
+
+def test_heads_round_trip_through_safetensors_and_refuse_changed_weights(engine, tmp_path, tiny_tokenizer):
+    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
+    path = tmp_path / "ticket.calibration.json"
+    cal.save(path)
+    assert weights_path(path).exists() and json.loads(path.read_text())["weights"]["file"] == "ticket.calibration.safetensors"
+    loaded = Calibration.load(path)
+    for text in TEXTS[:3]:
+        a = engine.classify(text, Ticket, calibration=cal)
+        b = engine.classify(text, Ticket, calibration=loaded)
+        for p in a.fields:
+            assert a.fields[p].probabilities == pytest.approx(b.fields[p].probabilities, abs=1e-9)
+    blob = bytearray(weights_path(path).read_bytes())
+    blob[-1] ^= 1
+    weights_path(path).write_bytes(bytes(blob))
+    with pytest.raises(CalibrationError, match="not the ones it was saved with"):
+        Calibration.load(path)
+    weights_path(path).unlink()
+    with pytest.raises(CalibrationError, match="missing"):
+        Calibration.load(path)
+    # the checks of any calibration still hold: another schema, prompt, rule or model is refused
+    with pytest.raises(CalibrationError, match="another schema or prompt"):
+        engine.classify(TEXTS[0], Ticket, calibration=cal, instructions="Label it.")
+    with pytest.raises(CalibrationError, match="fitted with 'option-cc'"):
+        engine.classify(TEXTS[0], Ticket, calibration=cal, rule="option")
+    from tests.helpers import tiny_llama
+
+    other = PCDEngine(tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer)
+    with pytest.raises(CalibrationError, match="fitted on model"):
+        other.classify(TEXTS[0], Ticket, calibration=cal)
+
+
+def test_head_falls_back_per_field_when_the_labels_are_too_few(engine):
+    labels = [dict(label, topic="billing") for label in LABELS]
+    labels[0]["topic"] = "crash"  # one crash label: no head for topic
+    cal = engine.calibrate(Ticket, TEXTS, labels, method="head", folds=3)
+    assert not isinstance(cal.fields["topic"], FieldHead) and "no head" in cal.report["fields"]["topic"]["reason"]
+    assert isinstance(cal.fields["urgent"], FieldHead)
+
+
+def field(path: str, probs: dict, value=None) -> FieldResult:
+    top = sorted(probs.values(), reverse=True)
+    chosen = value if value is not None else max(probs, key=probs.__getitem__)
+    return FieldResult(path, chosen, probs, {k: 0.0 for k in probs}, top[0] - top[1], "option")
+
+
+def test_suggestions_take_the_least_certain_texts_spread_over_predicted_values():
+    per_text = [
+        {"t": field("t", {"a": 0.51, "b": 0.49})},  # 0: a, very unsure
+        {"t": field("t", {"a": 0.55, "b": 0.45})},  # 1: a, unsure
+        {"t": field("t", {"a": 0.60, "b": 0.40})},  # 2: a
+        {"t": field("t", {"a": 0.30, "b": 0.70})},  # 3: b, surer than 0-2
+        {"t": field("t", {"a": 0.99, "b": 0.01})},  # 4: a, sure
+        None,  # 5: no answer, never picked
+    ]
+    picked = pick_uncertain(per_text, 3)
+    assert [p.index for p in picked] == [0, 3, 1]  # b gets a slot before a's second
+    assert pick_uncertain(per_text, 10)[-1].index == 4 and len(pick_uncertain(per_text, 10)) == 5
+    assert uncertainty(per_text[0], "entropy")[1] > uncertainty(per_text[4], "entropy")[1]
+
+
+def test_suggest_labels_gives_best_guesses_ready_to_label(engine):
+    found = engine.suggest_labels(Ticket, [*TEXTS, ""], count=4)
+    assert len(found.picked) == 4 and list(found.errors) == [len(TEXTS)]
+    for s in found.picked:
+        assert s.text == TEXTS[s.index]
+        assert Ticket.model_validate(s.label)  # a valid answer, what `calibrate` reads
+        assert s.label == engine.classify(s.text, Ticket).value.model_dump(mode="json")
+
+
+def test_pcd_suggest_writes_a_file_that_pcd_calibrate_reads(tiny_folder, tmp_path):
+    source = tmp_path / "unlabeled.jsonl"
+    lines = [json.dumps({"text": t}) for t in TEXTS] + ["not json"]
+    source.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "to_label.jsonl"
+    schema = f"{__file__}:Ticket"
+    run = [sys.executable, "-m", "minicpm_pcd_adapters.cli"]
+    done = subprocess.run(
+        [*run, "suggest", "--schema", schema, "--input", str(source), "--count", "6", "--output", str(output),
+         "--model", tiny_folder, "--device", "cpu"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # one line could not be read: an error record
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(rows) == 6 and {r["text"] for r in rows} <= set(TEXTS)
+    errors = [json.loads(line) for line in (tmp_path / "to_label.errors.jsonl").read_text().splitlines()]
+    assert errors == [{"line": len(TEXTS) + 1, "error": errors[0]["error"]}]
+    assert "suggest" in done.stderr  # the progress bar
+    calibration = tmp_path / "cal.json"
+    fitted = subprocess.run(
+        [*run, "calibrate", "--schema", schema, "--input", str(output), "--output", str(calibration),
+         "--model", tiny_folder, "--device", "cpu", "--method", "temperature", "--folds", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert fitted.returncode == 0, fitted.stderr
+    assert Calibration.load(calibration).report["fields"]["topic"]["n"] == 6
