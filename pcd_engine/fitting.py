@@ -49,7 +49,7 @@ METHODS = ("none", "temperature", "batch", "bias", "head")  # simplest first: ti
 MAPS = METHODS[:4]  # the methods that read the rule's scores alone
 LOG_LOSS_TIE = 0.002  # cross-validated log-losses closer than this (nats) count as equal
 SKEW_WARNING = 0.25  # total variation between label shares and the model's estimate that warns
-HEAD_MIN_LABELS = 2  # a head needs at least this many labels of every value the labels use
+HEAD_MIN_LABELS = 2  # see head_ready
 
 
 def fit_batch(values: tuple[str, ...], log_scores: torch.Tensor) -> FieldCalibration:
@@ -278,15 +278,20 @@ def fit_field(
 
 
 def head_ready(labels: Sequence[int], values: int) -> bool:
-    """Whether a head can be fitted: 2 values or more in the labels, each labeled HEAD_MIN_LABELS
-    times or more (a value never labeled is answered through the rule's scores and the bias)."""
+    """Whether a head can be fitted: 2 values or more labeled HEAD_MIN_LABELS times or more, and
+    those values hold at least half of the labels (a value labeled once or never is answered
+    through the rule's scores and its bias; a 77-value field needs no 154 labels)."""
     counts = Counter(labels)
-    return len(counts) >= 2 and min(counts.values()) >= HEAD_MIN_LABELS
+    often = [c for c in counts.values() if c >= HEAD_MIN_LABELS]
+    return len(often) >= 2 and 2 * sum(often) >= len(labels)
 
 
 def _not_ready(values: tuple[str, ...], labels: Sequence[int]) -> str:
     counts = dict(Counter(values[i] for i in labels))
-    return f"a head needs {HEAD_MIN_LABELS} labels of every value the labels use, and 2 values ({counts})"
+    return (
+        f"a head needs 2 values labeled {HEAD_MIN_LABELS} times or more, holding half of the labels "
+        f"({counts})"
+    )
 
 
 def choose(scores: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:

@@ -163,8 +163,11 @@ def test_auto_picks_the_lowest_cross_validated_log_loss_that_keeps_accuracy(engi
     for report in cal.report["fields"].values():
         cv = report["cv"]
         assert set(cv) == {"none", "temperature", "bias", "batch", "head"}  # every value labeled twice
-        safe = [m for m, r in cv.items() if r["accuracy"] >= cv["none"]["accuracy"] and
-                r["macro_f1"] >= cv["none"]["macro_f1"]]
+        safe = [
+            m
+            for m, r in cv.items()
+            if r["accuracy"] >= cv["none"]["accuracy"] and r["macro_f1"] >= cv["none"]["macro_f1"]
+        ]
         assert report["method"] in safe
         assert cv[report["method"]]["log_loss"] <= min(cv[m]["log_loss"] for m in safe) + LOG_LOSS_TIE
         assert "not below none's" in report["reason"]

@@ -15,11 +15,10 @@ from pydantic import BaseModel
 
 from pcd_engine import Calibration, CalibrationError, FieldHead, PCDEngine
 from pcd_engine.calibration import weights_path
-from pcd_engine.fitting import METHODS, FieldData, choose, fit_field, head_ready
+from pcd_engine.fitting import METHODS, FieldData, choose, fit_field, folds_of, head_ready
 from pcd_engine.heads import fit_head, out_of_fold_logits
-from pcd_engine.suggestions import pick_uncertain, uncertainty
-from pcd_engine.fitting import folds_of
 from pcd_engine.results import FieldResult
+from pcd_engine.suggestions import pick_uncertain, uncertainty
 
 
 class Ticket(BaseModel):
@@ -117,7 +116,9 @@ def separable(n: int = 60, dims: int = 3, seed: int = 0):
 
 def test_a_head_learns_a_separable_case_and_auto_chooses_it():
     z, x, labels = separable()
-    fitted = fit_head(("a", "b", "c"), z, {"fork": x, "text_last": torch.randn(60, 3)}, labels, folds_of(60, 5), 0)
+    fitted = fit_head(
+        ("a", "b", "c"), z, {"fork": x, "text_last": torch.randn(60, 3)}, labels, folds_of(60, 5), 0
+    )
     assert fitted.head.block == "fork"
     oof = fitted.out_of_fold
     assert torch.allclose(oof.sum(dim=1), torch.ones(60, dtype=torch.float64))
@@ -145,10 +146,12 @@ def test_out_of_fold_never_scores_a_row_on_a_head_fitted_with_it():
     assert (oof.argmax(dim=1) == labels).double().mean() < 0.75
 
 
-def test_head_ready_needs_two_labels_of_each_value_used():
+def test_head_ready_needs_two_values_labeled_twice_holding_half_the_labels():
     assert head_ready([0, 0, 1, 1], 3)
+    assert head_ready([0, 0, 1, 1, 2, 3], 77)  # values labeled once ride on the scores and bias
     assert not head_ready([0, 0, 1], 3)
     assert not head_ready([0, 0, 0], 3)
+    assert not head_ready([0, 0, 1, 1, 2, 3, 4, 5, 6], 77)
 
 
 @pytest.fixture
@@ -174,14 +177,19 @@ def test_a_head_in_classify_equals_its_math_on_the_kept_hidden_states(engine):
         alone = engine.classify(text, Ticket, calibration=cal)
         for path, f in r.fields.items():
             assert f.value == alone.fields[path].value
-            assert list(f.probabilities.values()) == pytest.approx(list(alone.fields[path].probabilities.values()), abs=1e-4)
+            assert list(f.probabilities.values()) == pytest.approx(
+                list(alone.fields[path].probabilities.values()), abs=1e-4
+            )
 
 
 def test_heads_round_trip_through_safetensors_and_refuse_changed_weights(engine, tmp_path, tiny_tokenizer):
     cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
     path = tmp_path / "ticket.calibration.json"
     cal.save(path)
-    assert weights_path(path).exists() and json.loads(path.read_text())["weights"]["file"] == "ticket.calibration.safetensors"
+    assert (
+        weights_path(path).exists()
+        and json.loads(path.read_text())["weights"]["file"] == "ticket.calibration.safetensors"
+    )
     loaded = Calibration.load(path)
     for text in TEXTS[:3]:
         a = engine.classify(text, Ticket, calibration=cal)
@@ -210,9 +218,12 @@ def test_heads_round_trip_through_safetensors_and_refuse_changed_weights(engine,
 
 def test_head_falls_back_per_field_when_the_labels_are_too_few(engine):
     labels = [dict(label, topic="billing") for label in LABELS]
-    labels[0]["topic"] = "crash"  # one crash label: no head for topic
+    labels[0]["topic"] = "crash"  # crash labeled once, other never: only one value labeled twice
     cal = engine.calibrate(Ticket, TEXTS, labels, method="head", folds=3)
-    assert not isinstance(cal.fields["topic"], FieldHead) and "no head" in cal.report["fields"]["topic"]["reason"]
+    assert (
+        not isinstance(cal.fields["topic"], FieldHead)
+        and "no head" in cal.report["fields"]["topic"]["reason"]
+    )
     assert isinstance(cal.fields["urgent"], FieldHead)
 
 

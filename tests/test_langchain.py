@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM
 from pcd_engine import ModelLoadError, UnsupportedSchemaError
+from pcd_engine.results import json_key
 from tests.helpers import smollm2_engine
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
@@ -217,3 +218,31 @@ def test_calibration_and_abstention_reach_the_structured_answer():
     assert meta["fields"]["topic"]["probabilities"] == pytest.approx(
         {k: v for k, v in want.fields["topic"].probabilities.items()}
     )
+
+
+REFUND_TEXTS = [
+    *TEXTS,
+    "I want my money back for the broken phone.",
+    "How do I change my email address?",
+    "Refund the second payment, please.",
+    "Is there a shop in Lyon?",
+]
+REFUND_LABELS = [{"refund_requested": r} for r in (True, False, False, False, True, False, True, True)]
+
+
+@pytest.mark.slow
+def test_a_head_reaches_the_structured_answer_as_in_process():
+    engine = smollm2_engine()
+    cal = engine.calibrate(Ticket, REFUND_TEXTS, REFUND_LABELS, method="head", folds=2)
+    assert cal.needs_hidden  # refund_requested has a head; topic has no labels
+    llm = ChatMiniCPM(engine=engine, model=SMOLLM2, calibration=cal)
+    structured = llm.with_structured_output(Ticket, include_raw=True)
+    outs = structured.batch(REFUND_TEXTS[:3])
+    for text, out in zip(REFUND_TEXTS[:3], outs, strict=True):
+        want = engine.classify(text, Ticket, calibration=cal)
+        assert out["parsed"] == want.value
+        got = out["raw"].response_metadata["pcd"]["fields"]["refund_requested"]
+        assert got["calibration"] == "head"
+        assert got["probabilities"] == pytest.approx(
+            {json_key(k): v for k, v in want.fields["refund_requested"].probabilities.items()}, abs=1e-5
+        )

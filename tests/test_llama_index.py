@@ -160,3 +160,24 @@ def test_calibration_and_abstention_reach_the_program(llm):
     assert value == want.value and program.last_result.needs_review
     assert program.last_result.fields["topic"].calibration == "temperature"
     assert program.last_result.fields["topic"].probabilities == want.fields["topic"].probabilities
+
+
+@pytestmark_slow
+def test_a_head_reaches_the_program_as_in_process(llm):
+    engine = llm.engine
+    texts = [TEXT, "Where is my parcel?", "The app crashes.", "Delete my account.", "Refund my order."]
+    texts += ["My card was billed twice.", "Where is the package?", "Login fails again."]
+    labels = [{"topic": t} for t in ("billing", "delivery", "technical", "account", "billing")]
+    labels += [{"topic": t} for t in ("billing", "delivery", "technical")]
+    cal = engine.calibrate(Ticket, texts, labels, method="head", folds=2)
+    assert cal.needs_hidden
+    calibrated = MiniCPMLLM(engine=engine, model="SmolLM2-135M-Instruct", calibration=cal)
+    program = MiniCPMPCDProgram.from_defaults(Ticket, prompt=PromptTemplate("{text}"), llm=calibrated)
+    for text in texts[:3]:
+        value = program(text=text)
+        want = engine.classify(text, Ticket, calibration=cal)
+        assert value == want.value
+        assert program.last_result.fields["topic"].calibration == "head"
+        assert program.last_result.fields["topic"].probabilities == pytest.approx(
+            want.fields["topic"].probabilities, abs=1e-5
+        )
