@@ -158,7 +158,14 @@ def fit_linear(
         weight = torch.zeros(k, x.shape[1], dtype=torch.float64, requires_grad=True)
         params.append(weight)
     pull = value_penalty(labels, k)
-    optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        params,
+        lr=0.5,
+        max_iter=100,
+        tolerance_grad=1e-5,
+        tolerance_change=1e-7,
+        line_search_fn="strong_wolfe",
+    )
 
     def loss() -> torch.Tensor:
         optimizer.zero_grad()
