@@ -187,6 +187,7 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
         "bias",
         "temperature",
         "batch",
+        "head",  # auto may choose a head (issue 23): `classify --calibration` applies it too
         "none",
     }
     wrong = run_pcd("evaluate", "--schema", "examples/ticket.py:TriagedTicket", "--input", labeled,
