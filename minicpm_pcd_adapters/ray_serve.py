@@ -25,7 +25,7 @@ class PCDReplica:
     """One replica: loads the engine, then serves `create_app(engine, settings)` (built on the replica)."""
 
     def __init__(self, model: str, settings: ServerSettings, engine_options: Mapping[str, Any]) -> None:
-        from minicpm_pcd_adapters.cli import load_engine
+        from minicpm_pcd_adapters.loaders import load_engine
         from minicpm_pcd_adapters.server import create_app
 
         self.asgi = create_app(load_engine(model, **dict(engine_options)), settings)

@@ -5,11 +5,10 @@ Every error says what was wrong, where (field path or input index) and what to d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pcd_engine.precision import SelfCheck
-    from pcd_engine.results import PCDResult
+# A leaf: this module imports nothing of the package, so every module may import it. The report and
+# result that two errors carry are typed `Any` here (precision.SelfCheck, results.PCDResult).
 
 
 class PCDError(Exception):
@@ -69,7 +68,7 @@ class PrecisionCheckError(PCDError, RuntimeError):
     """The packed path disagrees with separate forward passes in the model's dtype (`check` is the
     precision.SelfCheck report)."""
 
-    def __init__(self, check: SelfCheck) -> None:
+    def __init__(self, check: Any) -> None:
         self.check = check
         super().__init__(
             f"self-check failed in {check.dtype}: packed and separate forward passes differ by up to "
@@ -87,7 +86,7 @@ class AbstentionError(PCDError):
     """A field's calibrated confidence is below the abstention threshold and `on_abstain="raise"` was
     asked; `result` is the full answer (its abstained fields are marked) for review."""
 
-    def __init__(self, result: PCDResult[Any]) -> None:
+    def __init__(self, result: Any) -> None:
         self.result = result
         unsure = ", ".join(f"{p!r} ({result.fields[p].confidence:.2f})" for p in result.abstained_fields)
         super().__init__(f"abstained on field(s) {unsure}: confidence below the threshold; review the answer")

@@ -17,15 +17,38 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, check_paths, fail, input_options, load_for
 from minicpm_pcd_adapters.files import iter_inputs
 from pcd_engine import Calibration, PCDEngine
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("suggest", help="pick the texts most worth labeling next, ready to label")
+    input_options(parser, "JSONL file of unlabeled texts (objects with 'text', or strings) or text lines")
+    parser.add_argument("--output", required=True, help='JSONL file to write: {"text", "label": the '
+                         'current best guess to correct, "pcd"} per suggested text')  # fmt: skip
+    parser.add_argument("--count", type=int, default=50, help="how many texts to suggest (default 50)")
+    parser.add_argument("--by", choices=("margin", "entropy"), default="margin", help="uncertainty: the "
+                         "lowest margin (default) or highest entropy over the fields")  # fmt: skip
+    parser.add_argument("--calibration", default=None, help="judge certainty under this calibration")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        check_paths(args)
+        if args.count < 1:
+            raise ValueError(f"--count must be at least 1, got {args.count}")
+        schema, engine, calibration = load_for(args)
+    except SETUP_ERRORS as error:
+        return fail(error)
+    return run(engine, schema, args, calibration)
 
 
 def errors_path(output: Path) -> Path:
     return output.with_name(output.stem + ".errors.jsonl")
 
 
-def run_suggest(
+def run(
     engine: PCDEngine, schema: type[BaseModel], args: argparse.Namespace, calibration: Calibration | None
 ) -> int:
     """Exit codes: 0 every line scored, 1 some lines got error records."""

@@ -1,0 +1,82 @@
+"""`pcd calibrate`: fit a calibration (maps or heads) from a labeled or unlabeled JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from tqdm import tqdm
+
+from minicpm_pcd_adapters.cli.options import (
+    SETUP_ERRORS,
+    check_paths,
+    fail,
+    input_options,
+    load_for,
+    read_labeled,
+)
+from pcd_engine import PCDEngine, PCDError
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("calibrate", help="fit a calibration from a (labeled or unlabeled) JSONL file")
+    input_options(parser, 'JSONL: {"text": ..., "label": {...}} per line; without labels: batch calibration')
+    parser.add_argument("--label-key", default="label", help="key of the label object (also read: 'labels')")
+    parser.add_argument("--output", required=True, help="calibration JSON file to write")
+    parser.add_argument(
+        "--method", default="auto", help="auto, head, bias, temperature, batch or none (head: its "
+        "weights go beside the JSON, same name with .safetensors)"
+    )  # fmt: skip
+    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds of the report")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        check_paths(args)
+        rows = read_labeled(Path(args.input), args.text_key, args.label_key)
+        schema, engine, _ = load_for(args)
+    except SETUP_ERRORS as error:
+        return fail(error)
+    return run(engine, schema, rows, args)
+
+
+def run(
+    engine: PCDEngine,
+    schema: type[BaseModel],
+    rows: list[tuple[str, dict[str, Any] | None]],
+    args: argparse.Namespace,
+) -> int:
+    labeled = any(label is not None for _, label in rows)
+    labels = [label or {} for _, label in rows] if labeled else None
+    try:
+        with tqdm(total=len(rows), desc="calibrate", unit="text", file=sys.stderr) as bar:
+            fitted = engine.calibrate(
+                schema,
+                [text for text, _ in rows],
+                labels,
+                method=args.method,
+                folds=args.folds,
+                instructions=args.instructions,
+                progress=bar.update,
+            )
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fitted.save(output)
+    except (PCDError, OSError) as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    for path, report in fitted.report["fields"].items():
+        if "before" in report:
+            before, after = report["before"], report["after"]
+            print(
+                f"{path:<28} {report['method']:<12} "
+                f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+                f"  ECE {before['ece']:.3f} -> {after['ece']:.3f}  (cross-validated, n={report['n']})"
+            )
+        else:
+            print(f"{path:<28} {report['method']:<12} n={report['n']}")
+    print(f"pcd: calibration -> {args.output}", file=sys.stderr)
+    return 0

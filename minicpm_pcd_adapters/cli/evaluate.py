@@ -1,0 +1,146 @@
+"""`pcd evaluate`: accuracy and calibration on a labeled JSONL file, with report.json and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from tqdm import tqdm
+
+from minicpm_pcd_adapters.cli.options import (
+    SETUP_ERRORS,
+    check_paths,
+    fail,
+    input_options,
+    load_for,
+    read_labeled,
+)
+from pcd_engine import Calibration, Evaluation, PCDEngine, PCDError, evaluate
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("evaluate", help="measure accuracy and calibration on a labeled JSONL file")
+    input_options(parser, 'labeled JSONL: {"text": ..., "label": {field: value}} per line')
+    parser.add_argument("--label-key", default="label", help="key of the label object (also read: 'labels')")
+    parser.add_argument("--calibration", default=None, help="evaluate with this calibration JSON file")
+    parser.add_argument(
+        "--fit", type=int, default=0, help="fit a calibration on the first N labeled lines (after the "
+        "examples) and score the rest, with and without it"
+    )  # fmt: skip
+    parser.add_argument("--method", default="auto", help="calibration method for --fit (default: auto)")
+    parser.add_argument(
+        "--examples", type=int, default=0, help="use the first N labeled lines as in-context examples "
+        "(in the cached head) and score the rest"
+    )  # fmt: skip
+    parser.add_argument("--report", default="out/evaluate", help="folder for report.json and the PNG plots")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:  # everything checkable before the model loads
+        check_paths(args)
+        import_plots()
+        rows = read_labeled(Path(args.input), args.text_key, args.label_key)
+        schema, engine, calibration = load_for(args)
+    except SETUP_ERRORS as error:
+        return fail(error)
+    return run(engine, schema, rows, args, calibration)
+
+
+def import_plots() -> Any:
+    try:
+        from minicpm_pcd_adapters import plots  # matplotlib: the [eval] extra
+    except ImportError as error:
+        raise ImportError(f"{error}; install the plots with: pip install 'minicpm-pcd[eval]'") from None
+    return plots
+
+
+def run(
+    engine: PCDEngine,
+    schema: type[BaseModel],
+    rows: list[tuple[str, dict[str, Any] | None]],
+    args: argparse.Namespace,
+    calibration: Calibration | None,
+) -> int:
+    if any(label is None for _, label in rows):
+        print("pcd: error: every line needs a label to evaluate", file=sys.stderr)
+        return 2
+    plots = import_plots()
+    if args.examples + args.fit >= len(rows):
+        print(
+            f"pcd: error: --examples + --fit must leave lines to score ({len(rows)} lines)", file=sys.stderr
+        )
+        return 2
+    shots = [(text, label) for text, label in rows[: args.examples]]
+    fitting = rows[args.examples : args.examples + args.fit]
+    scoring = rows[args.examples + args.fit :]
+    options: dict[str, Any] = {"instructions": args.instructions, "examples": shots}
+    report = Path(args.report)
+    try:
+        if calibration is not None:  # before any model work
+            calibration.check(engine.plan(schema, **options), engine.model_identity)
+        with tqdm(total=len(scoring), desc="evaluate", unit="text", file=sys.stderr) as bar:
+            base = evaluate(
+                engine,
+                schema,
+                [t for t, _ in scoring],
+                [y for _, y in scoring],
+                progress=bar.update,
+                **options,
+            )
+        variants = {"uncalibrated": base}
+
+        def calibrated(cal: Calibration) -> Evaluation:  # a head reads hidden states: score again
+            if not cal.needs_hidden:
+                return base.recalibrated(cal)
+            texts, labels = [t for t, _ in scoring], [y for _, y in scoring]
+            return evaluate(engine, schema, texts, labels, calibration=cal, **options)
+
+        if calibration is not None:
+            variants["calibrated"] = calibrated(calibration)
+        if fitting:
+            fitted = engine.calibrate(
+                schema, [t for t, _ in fitting], [y for _, y in fitting], method=args.method, **options
+            )
+            report.mkdir(parents=True, exist_ok=True)
+            fitted.save(report / "calibration.json")
+            variants[f"calibrated on {len(fitting)}"] = calibrated(fitted)
+    except PCDError as error:
+        print(f"pcd: error: {error}", file=sys.stderr)
+        return 2
+    out = {name: e.to_json() for name, e in variants.items()}
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "report.json").write_text(
+        json.dumps(out, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    for name, e in variants.items():
+        slug = name.replace(" ", "_")
+        plots.reliability_diagram(e, report / f"reliability_{slug}.png", f"reliability ({name})")
+        plots.coverage_plot(e, report / f"coverage_{slug}.png", f"coverage vs accuracy ({name})")
+        print(summary_table(name, e))
+    print(f"pcd: report and plots -> {report}", file=sys.stderr)
+    return 0
+
+
+def summary_table(name: str, evaluation: Evaluation) -> str:
+    """A plain-text table: one line per field, then the means and the exact-object accuracy."""
+    lines = [f"== {name}", f"{'field':<28}{'n':>6}{'acc':>8}{'macroF1':>9}{'ECE':>8}{'majority':>10}"]
+    for path, f in evaluation.fields.items():
+        r = f.report()
+        if r["n"]:
+            row = f"{path:<28}{r['n']:>6}{r['accuracy']:>8.3f}{r['macro_f1']:>9.3f}{r['ece']:>8.3f}"
+            lines.append(row + f"{r['majority']:>10.3f}")
+    s = evaluation.summary
+    if s["field_accuracy"] is not None:
+        mean = (
+            f"{'mean':<28}{'':>6}{s['field_accuracy']:>8.3f}{s['field_macro_f1']:>9.3f}{s['field_ece']:>8.3f}"
+        )
+        lines.append(mean + f"{s['field_majority']:>10.3f}")
+    exact = "n/a" if s["exact_accuracy"] is None else f"{s['exact_accuracy']:.3f}"
+    lines.append(
+        f"exact object accuracy {exact}; {s['answered']}/{s['texts']} answered, {s['errors']} errors"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""What every entry point (the `pcd` commands, the server, Ray actors and replicas) loads: a model
+by short name, hub id, folder or GGUF file, and a schema by import path."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from minicpm_pcd_adapters.minicpm import load_minicpm5
+from minicpm_pcd_adapters.smollm2 import load_smollm2
+from pcd_engine import PCDEngine
+
+MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
+
+
+def load_schema(spec: str) -> type[BaseModel]:
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--schema must be module:Class or file.py:Class, got {spec!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ImportError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[path.stem] = module
+        loader_spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, str(Path.cwd()))
+        module = importlib.import_module(module_name)
+    schema = getattr(module, attr)
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        raise TypeError(f"{spec} is not a pydantic BaseModel subclass")
+    return schema
+
+
+def load_engine(model: str, **options: Any) -> PCDEngine:
+    options = {k: v for k, v in options.items() if v is not None}
+    if model.lower() in MODELS:
+        return MODELS[model.lower()](**options)
+    return PCDEngine.from_pretrained(model, **options)
