@@ -29,14 +29,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minicpm_pcd_adapters.batching import Batcher, QueueFull
 from minicpm_pcd_adapters.openai_protocol import (
@@ -53,6 +46,7 @@ from minicpm_pcd_adapters.openai_protocol import (
     parse_request,
     usage,
 )
+from minicpm_pcd_adapters.server_metrics import ServerMetrics
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from pcd_engine import (
     Generation,
@@ -66,38 +60,6 @@ from pcd_engine import (
 )
 
 log = logging.getLogger("minicpm_pcd.server")
-
-
-class ServerMetrics:
-    """Prometheus metrics in a registry of the app's own (several apps can live in one process)."""
-
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "pcd_requests", "Chat completion requests answered", ["kind", "status"], registry=r
-        )
-        self.errors = Counter("pcd_request_errors", "Requests answered with an error", ["code"], registry=r)
-        self.latency = Histogram(
-            "pcd_request_latency_seconds",
-            "Time from request to answer",
-            ["kind"],
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-            registry=r,
-        )
-        self.batch_size = Histogram(
-            "pcd_batch_size", "Requests per engine batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
-        )
-        self.dropped = Counter("pcd_dropped_requests", "Queued requests whose caller left first", registry=r)
-        self.forward_calls = Counter("pcd_forward_calls", "Forward calls of the model", registry=r)
-        queue = Gauge("pcd_queue_depth", "Requests waiting for the model", registry=r)
-        queue.set_function(queue_depth)
-
-    def on_batch(self, size: int, dropped: int) -> None:
-        if size:
-            self.batch_size.observe(size)
-        if dropped:
-            self.dropped.inc(dropped)
 
 
 class Guard:

@@ -10,6 +10,7 @@ whole (`Generation`) or streamed (`GenerationChunk`s, stop strings held back unt
 
 from __future__ import annotations
 
+import collections.abc
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,3 +129,53 @@ def stop_ids(model: Any, tokenizer: Any, prompt: ChatPrompt) -> list[int]:
             ids.extend(int(v) for v in value)
     ids.extend(prompt.end_of_turn_ids)
     return list(dict.fromkeys(ids))
+
+
+class ChatMixin:
+    """`generate` and `stream` of `PCDEngine`: plain chat on the engine's model and prompt."""
+
+    prompt: ChatPrompt
+    limits: Limits
+    sampling: Sampling
+    generator: Generator
+
+    def generate(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int = 512,
+        stop: Sequence[str] | None = None,
+        sampling: Sampling | None = None,
+        json_object: bool = False,
+        **sampling_options: Any,
+    ) -> Generation:
+        """Plain chat generation: messages (role/content dicts or pairs) in, the assistant's text out.
+
+        `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
+        is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
+        `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
+        for a schema, use `classify`); it can still end at `max_tokens` before the object is complete.
+        """
+        chosen = sampling or self.sampling
+        call = chat_call(
+            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
+        )
+        return call.generate(self.generator)
+
+    def stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int = 512,
+        stop: Sequence[str] | None = None,
+        sampling: Sampling | None = None,
+        json_object: bool = False,
+        **sampling_options: Any,
+    ) -> collections.abc.Generator[GenerationChunk, None, None]:
+        """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
+        reason and the token counts. Closing the iterator early stops generation."""
+        chosen = sampling or self.sampling
+        call = chat_call(
+            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
+        )
+        yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()

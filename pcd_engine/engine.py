@@ -9,12 +9,12 @@
        open fields after the scored ones
     6. one result or error per input, in order          request.py
 
-`generate` / `stream` are plain chat generation (chat.py, generate.py).
+`generate` / `stream` are plain chat generation (chat.py, generate.py); `calibrate`, `score_fields`
+and `suggest_labels` learn from the user's texts (learning.py).
 """
 
 from __future__ import annotations
 
-import collections.abc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,29 +27,29 @@ from pydantic import BaseModel
 from pcd_engine import calibration, fitting, precision
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import Calibration
-from pcd_engine.chat import Message, chat_call, stop_ids
+from pcd_engine.chat import ChatMixin, stop_ids
 from pcd_engine.decisions import decide
 from pcd_engine.errors import CalibrationError, PCDError, PrecisionCheckError
 from pcd_engine.filling import JsonFiller
 from pcd_engine.generate import Generator, Sampling
-from pcd_engine.hidden import HiddenCapture, HiddenStates
+from pcd_engine.hidden import HiddenCapture
+from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, RequestOptions, elapsed_ms, example_turns, in_order, render_all
-from pcd_engine.results import FieldResult, Generation, GenerationChunk, PCDResult
+from pcd_engine.results import PCDResult
 from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
 from pcd_engine.scoring import Rule, get_rule
-from pcd_engine.suggestions import LabelSuggestions, Suggestion, pick_uncertain
 
 T = TypeVar("T", bound=BaseModel)
 DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
 
 
-class PCDEngine:
+class PCDEngine(LearningMixin, ChatMixin):
     """Typed classification with parallel constrained decoding over any Hugging Face causal LM.
 
     >>> from typing import Literal
@@ -300,105 +300,6 @@ class PCDEngine:
         )
         return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
 
-    def calibrate(
-        self,
-        schema: Any,
-        texts: Sequence[str],
-        labels: Sequence[Any] | None = None,
-        *,
-        method: str = "auto",
-        folds: int = 5,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        progress: Callable[[int], None] | None = None,
-    ) -> Calibration:
-        """Fit a Calibration of the schema's scored fields on these texts (see calibration.py).
-
-        With `labels` (one object per text, in the schema's JSON form or as instances; a field
-        missing from a label is left out for that field) the maps are fitted per field and their
-        report is cross-validated over `folds`; without labels, batch calibration. `method`:
-        "auto" (per field, the best cross-validated method that does not lower accuracy), "head"
-        (a linear head on the model's hidden states and the rule's scores), "bias",
-        "temperature", "batch" or "none". Open fields are not generated.
-        """
-        plan = self.plan(schema, instructions=instructions, rule=rule, examples=examples)
-        if labels is not None:
-            labels = list(labels)
-            if len(labels) != len(texts):
-                raise CalibrationError(f"{len(texts)} texts but {len(labels)} labels")
-            for index, label in enumerate(labels):  # label errors before any model work
-                fitting.decision_labels(plan.compiled, label, index)
-        keep_hidden = labels is not None and method in ("auto", "head")
-        scored = self.score_fields(plan, texts, hidden=keep_hidden, progress=progress)
-        per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
-        hidden = [None if isinstance(s, PCDError) else s[1] for s in scored] if keep_hidden else None
-        return fitting.fit(plan, self.model_identity, per_text, labels, method, folds, hidden=hidden)
-
-    def score_fields(
-        self,
-        plan: SchemaPlan,
-        texts: Sequence[Any],
-        *,
-        hidden: bool = False,
-        calibration: Calibration | None = None,
-        chunk: int = 32,
-        progress: Callable[[int], None] | None = None,
-    ) -> list[tuple[dict[str, FieldResult], HiddenStates | None] | PCDError]:
-        """Per text, its scored fields (calibrated with `calibration` if given) and, with `hidden`,
-        the hidden states a head reads; or the error it raised. No open field is generated. The
-        texts go `chunk` at a time (`progress(n)` after each): what `calibrate`, `suggest_labels`
-        and the label benchmarks build on."""
-        if calibration is not None:
-            calibration.check(plan, self.model_identity)
-        keep = hidden or (calibration is not None and calibration.needs_hidden)
-        items = render_all(self.prompt, plan, texts, self.limits, False, True, self.allow_empty_text)
-        if progress is not None:  # inputs refused before any model work
-            progress(sum(isinstance(item, PCDError) for item in items))
-        requests = [item for item in items if isinstance(item, Request)]
-        for start in range(0, len(requests), chunk):
-            part = requests[start : start + chunk]
-            self._score_and_rescore(plan, part, keep)
-            self._calibrate(plan, part, RequestOptions(calibration=calibration))
-            if progress is not None:
-                progress(len(part))
-        return [item if isinstance(item, PCDError) else (item.fields, item.hidden) for item in items]
-
-    def suggest_labels(
-        self,
-        schema: Any,
-        texts: Sequence[str],
-        count: int = 50,
-        *,
-        by: str = "margin",
-        calibration: Calibration | None = None,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        progress: Callable[[int], None] | None = None,
-    ) -> LabelSuggestions:
-        """The `count` texts most worth labeling next: the least certain answers (`by` "margin" or
-        "entropy", under `calibration` if given), spread over the predicted values (suggestions.py).
-        Each comes with its current best guess as a label to correct; a text that cannot be scored
-        is in `errors` by its index.
-
-        >>> picked = engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
-        >>> picked[0].text, picked[0].label  # doctest: +SKIP
-        """
-        plan = self.plan(schema, instructions=instructions, rule=rule, examples=examples)
-        texts = list(texts)
-        scored = self.score_fields(plan, texts, calibration=calibration, progress=progress)
-        per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
-        picked = []
-        for u in pick_uncertain(per_text, count, by):
-            fields = per_text[u.index]
-            assert fields is not None
-            chosen = {p: f.value for p, f in fields.items() if f.source == "scored"}
-            label = plan.compiled.assemble(chosen)
-            picked.append(Suggestion(texts[u.index], label, u.index, u.field, u.uncertainty))
-        errors = {i: s for i, s in enumerate(scored) if isinstance(s, PCDError)}
-        return LabelSuggestions(picked, errors)
-
     @cached_property
     def model_identity(self) -> calibration.ModelIdentity:
         """What calibrations fitted on this engine record and check (configuration and weight probe)."""
@@ -428,47 +329,6 @@ class PCDEngine:
                 raise result
             out[r.name] = result
         return out
-
-    def generate(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_tokens: int = 512,
-        stop: Sequence[str] | None = None,
-        sampling: Sampling | None = None,
-        json_object: bool = False,
-        **sampling_options: Any,
-    ) -> Generation:
-        """Plain chat generation: messages (role/content dicts or pairs) in, the assistant's text out.
-
-        `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
-        is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
-        `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
-        for a schema, use `classify`); it can still end at `max_tokens` before the object is complete.
-        """
-        chosen = sampling or self.sampling
-        call = chat_call(
-            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
-        )
-        return call.generate(self.generator)
-
-    def stream(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_tokens: int = 512,
-        stop: Sequence[str] | None = None,
-        sampling: Sampling | None = None,
-        json_object: bool = False,
-        **sampling_options: Any,
-    ) -> collections.abc.Generator[GenerationChunk, None, None]:
-        """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
-        reason and the token counts. Closing the iterator early stops generation."""
-        chosen = sampling or self.sampling
-        call = chat_call(
-            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
-        )
-        yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
 
     def _run(
         self,

@@ -91,3 +91,8 @@ def test_the_walk_sees_imports_in_functions_and_type_checking_blocks_and_finds_c
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycle_in(edges) == ["a", "b", "c", "a"]
     assert cycle_in({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_over_450_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 450}
+    assert not long, f"modules over 450 lines: {long}"
