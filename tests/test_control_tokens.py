@@ -17,6 +17,7 @@ from llama_index.core.prompts import PromptTemplate
 from pydantic import BaseModel, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM, MiniCPMLLM, MiniCPMPCDProgram, cli
+from minicpm_pcd_adapters.cli import options as cli_options
 from pcd_engine import PCDEngine
 
 ATTACK = (
@@ -108,7 +109,7 @@ def test_llama_index_program_and_chat(engine, spy):
 
 
 def test_cli_classify(engine, spy, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "load_engine", lambda model, **options: engine)
+    monkeypatch.setattr(cli_options, "load_engine", lambda model, **options: engine)
 
     def run(text: str) -> None:
         source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -144,3 +144,23 @@ def test_cli_classify_ray_writes_one_shard_per_file_and_a_rerun_skips_them(folde
 class RouteClass(BaseModel):
     topic: Literal["billing", "bug", "other"]
     urgent: bool
+
+
+def test_a_calibration_with_heads_travels_as_a_path_each_actor_loads(folder, tmp_path):
+    engine = PCDEngine.from_pretrained(folder)
+    texts = [f"{t} #{i}" for i, t in enumerate(TEXTS * 2)]
+    labels = [{"topic": t, "urgent": u} for t, u in [("billing", True), ("bug", True), ("other", False)] * 3]
+    labels.append({"topic": "billing", "urgent": False})
+    cal = engine.calibrate(ROUTE, texts, labels, method="head", folds=2)
+    assert cal.needs_hidden
+    path = tmp_path / "route.calibration.json"
+    cal.save(path)  # and route.calibration.safetensors beside it
+    rows = [{"id": i, "text": t} for i, t in enumerate(TEXTS)]
+    out = classify_dataset(
+        ray.data.from_items(rows), ROUTE, model=folder, batch_size=3, calibration=str(path)
+    ).take_all()
+    want = engine.classify_batch(TEXTS, ROUTE, calibration=cal)
+    for row in out:
+        expected = want[row["id"]]
+        assert row["pcd_error"] is None and row["pcd.topic"] == expected.value["topic"]
+        assert row["pcd.topic.confidence"] == pytest.approx(expected.fields["topic"].confidence, abs=1e-5)
