@@ -51,7 +51,9 @@ class FieldHead:
 
     def logits(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Calibrated logits for rows of log-scores (..., K) and features (..., D)."""
-        return linear_logits(z, x, self.scale, self.bias, self.weight, self.mean, self.std) / self.temperature
+        out = z.double() * self.scale + torch.tensor(self.bias, dtype=torch.float64)
+        out = out + ((x.double() - self.mean) / self.std) @ self.weight.T
+        return out / self.temperature
 
     def features(self, hidden: HiddenStates) -> torch.Tensor:
         return hidden.block(self.block, self.tree)
@@ -116,21 +118,6 @@ def with_probabilities(result: FieldResult, probs: Sequence[float], method: str)
         calibrated=method != "none",
         calibration=method,
     )
-
-
-def linear_logits(
-    z: torch.Tensor,
-    x: torch.Tensor | None,
-    scale: float | torch.Tensor,
-    bias: Sequence[float] | torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    std: torch.Tensor | None,
-) -> torch.Tensor:
-    out = z.double() * scale + torch.as_tensor(bias, dtype=torch.float64)
-    if weight is not None and x is not None and mean is not None and std is not None:
-        out = out + ((x.double() - mean) / std) @ weight.T
-    return out
 
 
 def value_penalty(labels: torch.Tensor, values: int) -> torch.Tensor:
