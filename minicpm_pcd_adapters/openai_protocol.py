@@ -165,10 +165,12 @@ class ClassifyCall:
     stream: bool = False
     include_usage: bool = False
     schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
+    calibration: str | None = None  # the name of the loaded calibration that matched, if any
 
     def batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one `classify_batch` (same schema and options)."""
-        return (json.dumps(self.schema, sort_keys=True), self.instructions, self.sampling, self.abstain_below)
+        schema = json.dumps(self.schema, sort_keys=True)
+        return (schema, self.instructions, self.sampling, self.abstain_below, self.calibration)
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,6 +45,8 @@ from minicpm_pcd_adapters.openai_protocol import (
     parse_request,
     usage,
 )
+from minicpm_pcd_adapters.server_calibrations import Calibrations
+from minicpm_pcd_adapters.server_guard import Guard
 from minicpm_pcd_adapters.server_metrics import ServerMetrics
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from pcd_engine import (
@@ -62,65 +63,11 @@ from pcd_engine import (
 log = logging.getLogger("minicpm_pcd.server")
 
 
-class Guard:
-    """ASGI middleware: the API key, then the body (read whole, at most `max_body_bytes`)."""
-
-    def __init__(self, app: Any, settings: ServerSettings, on_refused: Callable[[str], None]) -> None:
-        self.app, self.settings, self.on_refused = app, settings, on_refused
-        self.key = settings.api_key.encode() if settings.api_key else None
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.key is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
-                error = APIError(401, "missing or incorrect API key", code="invalid_api_key")
-                return await self._refuse(send, error)
-        body, more = b"", scope["method"] in ("POST", "PUT", "PATCH")
-        declared = headers.get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.settings.max_body_bytes:
-            more = False
-            return await self._refuse(send, self._too_large())
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.settings.max_body_bytes:
-                return await self._refuse(send, self._too_large())
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # then the client's disconnect
-
-        return await self.app(scope, replay, send)
-
-    def _too_large(self) -> APIError:
-        return APIError(
-            413, f"the request body is over {self.settings.max_body_bytes} bytes", code="request_too_large"
-        )
-
-    async def _refuse(self, send: Any, error: APIError) -> None:
-        self.on_refused(error.code or "error")
-        await JSONResponse(error.body(), status_code=error.status)({"type": "http"}, _no_body, send)
-
-
-async def _no_body() -> dict[str, Any]:
-    return {"type": "http.request", "body": b"", "more_body": False}
-
-
 class ClassifyRunner:
     """One batcher job: every classify request of a group answered by one `classify_batch`."""
 
-    def __init__(self, engine: PCDEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: PCDEngine, calibrations: Calibrations) -> None:
+        self.engine, self.calibrations = engine, calibrations
 
     def __call__(self, key: Hashable, calls: list[ClassifyCall]) -> list[list[PCDResult[Any] | PCDError]]:
         first = calls[0]
@@ -131,6 +78,7 @@ class ClassifyRunner:
             instructions=first.instructions,
             sampling=first.sampling,
             abstain_below=first.abstain_below,
+            calibration=self.calibrations.by_name.get(first.calibration or ""),
             return_exceptions=True,
         )
         out, start = [], 0
@@ -144,9 +92,15 @@ class Completions:
     """`POST /v1/chat/completions`: a checked call, answered through the batcher, as JSON or events."""
 
     def __init__(
-        self, engine: PCDEngine, settings: ServerSettings, batcher: Batcher, metrics: ServerMetrics
+        self,
+        engine: PCDEngine,
+        settings: ServerSettings,
+        batcher: Batcher,
+        metrics: ServerMetrics,
+        calibrations: Calibrations,
     ) -> None:
         self.engine, self.settings, self.batcher, self.metrics = engine, settings, batcher, metrics
+        self.calibrations = calibrations
         self.limits = RequestLimits(max_text_chars=settings.max_text_chars)
 
     async def answer(self, request: Request) -> Response:
@@ -179,15 +133,18 @@ class Completions:
 
     async def _classify(self, call: ClassifyCall, request: Request) -> Response:
         try:  # schema errors before any model work (the plan is cached per schema)
-            await asyncio.to_thread(self.engine.plan, call.schema, instructions=call.instructions)
+            plan = await asyncio.to_thread(self.engine.plan, call.schema, instructions=call.instructions)
         except PCDError as error:
             raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
+        call = dataclasses.replace(call, calibration=self.calibrations.match(plan))
         submitted = self.batcher.submit(call.batch_key(), call, self.settings.request_timeout_s)
         results = await _while_connected(request, self._queued(submitted))
         for result in results:
             if isinstance(result, PCDError):
                 raise _engine_error(result)
         answers = [classified_message(call, r, i) for i, r in enumerate(results)]
+        for answer in answers:
+            answer["pcd"]["calibration"] = self.calibrations.describe(call.calibration)
         answer_usage = classified_usage(results)
         completion = Completion(call.model)
         if not call.stream:
@@ -299,15 +256,16 @@ async def _generated_chunks(
 def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine` (run it with uvicorn, or `serve`)."""
     settings.check()
+    calibrations = Calibrations(engine, settings.calibrations)  # a mismatch fails before serving
     metrics = ServerMetrics(queue_depth=lambda: batcher.depth)
     batcher = Batcher(
-        ClassifyRunner(engine),
+        ClassifyRunner(engine, calibrations),
         window_s=settings.batch_window_ms / 1000,
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,
         on_batch=metrics.on_batch,
     )
-    completions = Completions(engine, settings, batcher, metrics)
+    completions = Completions(engine, settings, batcher, metrics, calibrations)
     created = int(time.time())
 
     @asynccontextmanager
@@ -356,6 +314,10 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
             message = f"the model {model_id!r} does not exist"
             raise APIError(404, message, param="model", code="model_not_found")
         return model_card()
+
+    @app.get("/v1/calibrations")
+    async def calibration_list() -> dict[str, Any]:
+        return {"object": "list", "data": calibrations.listing()}
 
     app.post("/v1/chat/completions")(completions.answer)
     if settings.cors_origins:

@@ -20,6 +20,7 @@ class ServerSettings:
     max_text_chars: int = 100_000  # all message contents of a request together
     max_tokens: int = 512  # default answer length of plain chat
     cors_origins: tuple[str, ...] = ()  # CORS is off unless origins are given
+    calibrations: tuple[str, ...] = ()  # calibration files (`pcd calibrate`), checked at start-up
 
     def check(self) -> None:
         """ValueError naming the first option out of range."""

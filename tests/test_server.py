@@ -293,3 +293,56 @@ def test_plain_chat_input_errors_are_400_and_cors_is_off_by_default(tiny_model, 
             headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
         )
         assert "access-control-allow-origin" not in preflight.headers
+
+
+CAL_TEXTS = [f"{t} #{i}" for i, t in enumerate(TEXTS * 2)]
+CAL_LABELS = [{"topic": t, "urgent": u} for t, u in [("billing", True), ("bug", True), ("other", False)] * 3]
+CAL_LABELS.append({"topic": "billing", "urgent": False})
+
+
+def test_a_loaded_calibration_answers_the_requests_of_its_schema(engine, tmp_path):
+    cal = engine.calibrate(ROUTE | {"title": "Route"}, CAL_TEXTS, CAL_LABELS, method="head", folds=2)
+    path = tmp_path / "route.json"
+    cal.save(path)  # with route.safetensors beside it: heads through the server
+    settings = ServerSettings(model_name="tiny", api_key=KEY, calibrations=(str(path),))
+    with served(create_app(engine, settings)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        for text in TEXTS[:3]:
+            (choice,) = ask(client, text).choices
+            want = engine.classify(text, ROUTE | {"title": "Route"}, calibration=cal)
+            assert_same_answer(choice, want)
+            assert choice.pcd["calibration"] == {
+                "name": "route",
+                "methods": {"topic": "head", "urgent": "head"},
+            }
+            assert choice.pcd["fields"]["topic"]["calibration"] == "head"
+        other = client.chat.completions.create(  # other instructions: another plan, no calibration
+            model="tiny",
+            messages=[{"role": "system", "content": "Route it."}, {"role": "user", "content": TEXTS[0]}],
+            response_format=FORMAT,
+        )
+        assert other.choices[0].pcd["calibration"] is None
+        listed = httpx.get(url + "/v1/calibrations", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert [c["id"] for c in listed["data"]] == ["route"] and listed["data"][0]["schema"] == cal.schema
+        assert httpx.get(url + "/v1/calibrations").status_code == 401
+
+
+def test_a_calibration_of_another_model_stops_the_server_before_it_serves(
+    engine, tiny_tokenizer, tiny_folder, tmp_path
+):
+    import subprocess
+    import sys
+
+    from pcd_engine import CalibrationError
+    from tests.helpers import tiny_llama
+
+    other = PCDEngine(tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer)
+    path = tmp_path / "other.json"
+    other.calibrate(ROUTE, CAL_TEXTS, CAL_LABELS, method="temperature", folds=2).save(path)
+    with pytest.raises(CalibrationError, match="not on the served model"):
+        create_app(engine, ServerSettings(model_name="tiny", calibrations=(str(path),)))
+    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", "serve", "--model", tiny_folder,
+               "--device", "cpu", "--port", "1", "--calibration", str(path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "not on the served model" in done.stderr
+    assert "Uvicorn running" not in done.stderr

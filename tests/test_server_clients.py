@@ -112,3 +112,25 @@ def test_json_mode_and_plain_chat(client, engine):
     assert response.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(content), dict)
     assert content == engine.generate(messages, max_tokens=60, json_object=True).text
+
+
+def test_a_calibration_served_equals_in_process_classify_with_it(engine, tmp_path):
+    labeled = Path(__file__).resolve().parents[1] / "examples" / "tickets_labeled.jsonl"
+    rows = [json.loads(line) for line in labeled.read_text().splitlines()]
+    cal = engine.calibrate(Ticket, [r["text"] for r in rows], [r["label"] for r in rows], folds=4)
+    path = tmp_path / "ticket.json"
+    cal.save(path)
+    settings = ServerSettings(model_name="smollm2", api_key=KEY, calibrations=(str(path),))
+    with served(create_app(engine, settings)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+        for text in (TEXT, rows[1]["text"]):
+            parsed = client.chat.completions.parse(
+                model="smollm2", messages=[{"role": "user", "content": text}], response_format=Ticket
+            )
+            want = engine.classify(text, Ticket, calibration=cal)
+            assert parsed.choices[0].message.parsed == want.value
+            assert_same(parsed.choices[0].pcd["fields"], want)
+            described = parsed.choices[0].pcd["calibration"]
+            assert described["name"] == "ticket" and described["methods"] == {
+                p: f.method for p, f in cal.fields.items()
+            }

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from minicpm_pcd_adapters.cli.options import engine_options, model_options
 from minicpm_pcd_adapters.loaders import load_engine
 from minicpm_pcd_adapters.server_settings import ServerSettings
-from pcd_engine import PCDError
+from pcd_engine import Calibration, PCDError
 
 
 def add_parser(sub: Any) -> None:
@@ -50,6 +51,9 @@ def add_parser(sub: Any) -> None:
     add("--num-gpus", type=float, default=0, help="with --ray: GPUs per replica (default 0)")
     add("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
         "(repeatable; default: CORS off)")  # fmt: skip
+    add("--calibration", nargs="+", default=[], metavar="FILE", help="calibration files (`pcd calibrate`): "
+        "each is checked against the model before the port opens (a mismatch exits 2); a structured "
+        "request uses the one fitted for its schema and instructions (GET /v1/calibrations)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
         max_text_chars=args.max_text_chars,
         max_tokens=args.max_tokens,
         cors_origins=tuple(args.cors_origin),
+        calibrations=tuple(str(Path(f).resolve()) for f in args.calibration),  # for Ray replicas too
     )
     options = {
         **engine_options(args),
@@ -87,13 +92,16 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
     if args.ray:
         return _serve_on_ray(args, settings, options)  # each replica's load_engine drops Nones
-    try:
+    try:  # options and calibration files before the model loads; the model's match before serving
         settings.check()
+        for path in settings.calibrations:
+            Calibration.load(path)
         engine = load_engine(args.model, **options)
+        app = create_app(engine, settings)
     except (PCDError, ValueError, OSError) as error:
         print(f"pcd: error: {error}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -1,0 +1,59 @@
+"""The calibrations `pcd serve` applies: loaded and checked against the served model at start-up,
+matched to each structured request by its plan (schema, instructions and rules)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pcd_engine import Calibration, CalibrationError, PCDEngine, SchemaPlan
+
+
+class Calibrations:
+    """The calibration files a server was started with, by name (the file name without `.json`),
+    each checked against the served model at start-up (CalibrationError naming the file)."""
+
+    def __init__(self, engine: PCDEngine, paths: Sequence[str]) -> None:
+        self.engine = engine
+        self.by_name: dict[str, Calibration] = {}
+        for path in paths:
+            name = Path(path).name.removesuffix(".json")
+            if name in self.by_name:
+                raise ValueError(f"two calibration files are named {name!r}; rename one")
+            calibration = Calibration.load(path)
+            if not calibration.model.matches(engine.model_identity):
+                raise CalibrationError(
+                    f"{path} was fitted on model {calibration.model.name!r}, not on the served model "
+                    f"{engine.model_identity.name!r} (its configuration or weights differ)"
+                )
+            self.by_name[name] = calibration
+
+    def match(self, plan: SchemaPlan) -> str | None:
+        """The name of the first calibration fitted for this plan (schema, prompt and rules)."""
+        for name, calibration in self.by_name.items():
+            try:
+                calibration.check(plan, self.engine.model_identity)
+            except CalibrationError:
+                continue
+            return name
+        return None
+
+    def describe(self, name: str | None) -> dict[str, Any] | None:
+        """What `choice.pcd.calibration` says: the name and each field's method (None: none matched)."""
+        if name is None:
+            return None
+        fields = self.by_name[name].fields
+        return {"name": name, "methods": {path: f.method for path, f in fields.items()}}
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": name,
+                "object": "calibration",
+                "schema": c.schema,
+                "model": c.model.name,
+                "methods": {path: f.method for path, f in c.fields.items()},
+            }
+            for name, c in self.by_name.items()
+        ]
