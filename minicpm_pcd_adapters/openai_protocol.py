@@ -1,5 +1,5 @@
-"""The OpenAI Chat Completions protocol as `pcd serve` speaks it: a request body checked into a call,
-and answers written as OpenAI's completion and chunk objects. No web framework and no model here.
+"""The OpenAI Chat Completions protocol as `pcd serve` reads it: a request body checked into a call
+(`openai_answers.py` writes the answers). No web framework and no model here.
 
 `parse_request(body, limits)` reads the JSON body (Pydantic checks its shape) and returns one of:
 - `ClassifyCall`: a `json_schema` response format, or a forced tool call (one function, named by
@@ -19,16 +19,14 @@ code) before any model work. The per-field scores go in an extension object on e
 from __future__ import annotations
 
 import json
-import secrets
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minicpm_pcd_adapters.messages import structured_request
-from pcd_engine import Generation, PCDResult, Sampling
+from pcd_engine import Sampling
 
 
 class APIError(Exception):
@@ -166,6 +164,8 @@ class ClassifyCall:
     include_usage: bool = False
     schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
     calibration: str | None = None  # the name of the loaded calibration that matched, if any
+    logprobs: bool = False  # answer with `choice.logprobs`: one entry per scored field
+    top_logprobs: int = 0  # and the field's k most probable values at each
 
     def batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one `classify_batch` (same schema and options)."""
@@ -196,7 +196,8 @@ def parse_request(
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as error:
         raise _shape_error(error) from None
-    _refuse_unsupported(request, limits)
+    structured = _structured_target(request)
+    _refuse_unsupported(request, limits, structured is not None)
     messages = _message_pairs(request, limits)
     sampling = _sampling(request)
     n = request.n or 1
@@ -204,13 +205,24 @@ def parse_request(
     usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    structured = _structured_target(request)
     if structured is not None:
         schema, tool, param = structured
         instructions, text = structured_request(messages)
         abstain = request.pcd.abstain_below if request.pcd else None
         return ClassifyCall(
-            request.model, schema, instructions, text, sampling, n, tool, abstain, stream, usage, param
+            request.model,
+            schema,
+            instructions,
+            text,
+            sampling,
+            n,
+            tool,
+            abstain,
+            stream,
+            usage,
+            param,
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
         )
     json_object = request.response_format is not None and request.response_format.type == "json_object"
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
@@ -226,10 +238,14 @@ def _shape_error(error: ValidationError) -> APIError:
     return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")
 
 
-def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:
+def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits, structured: bool) -> None:
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+        raise APIError(400, "top_logprobs must be from 0 to 20", param="top_logprobs", code="invalid_value")
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     unsupported = {
-        "logprobs": request.logprobs,
-        "top_logprobs": request.top_logprobs,
+        # structured answers carry their fields' probabilities as logprobs; plain chat does not yet
+        "logprobs": request.logprobs and not structured,
         "logit_bias": request.logit_bias,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
@@ -322,100 +338,3 @@ def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], 
 
 
 # -- answers ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Completion:
-    """One response: its id, creation time and model, then its choices (one per `n`)."""
-
-    model: str
-    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-            "system_fingerprint": None,
-        }
-
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -> dict[str, Any]:
-    """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension."""
-    answer = result.to_json()
-    arguments = json.dumps(answer["value"], ensure_ascii=False)
-    if call.tool is None:
-        message: dict[str, Any] = {"role": "assistant", "content": arguments, "refusal": None}
-    else:
-        message = {
-            "role": "assistant",
-            "content": None,
-            "refusal": None,
-            "tool_calls": [
-                {
-                    "id": f"call_{secrets.token_hex(12)}",
-                    "type": "function",
-                    "function": {"name": call.tool, "arguments": arguments},
-                }
-            ],
-        }
-    d = result.diagnostics
-    extension = {
-        "fields": answer["fields"],
-        "needs_review": result.needs_review,
-        "abstained_fields": result.abstained_fields,
-        "forward_calls": d.forward_calls,
-        "cached_tokens": d.cached_tokens,
-    }
-    finish = "stop" if call.tool is None else "tool_calls"
-    return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, "pcd": extension}
-
-
-def classified_usage(results: list[PCDResult[Any]]) -> dict[str, Any]:
-    d = [r.diagnostics for r in results]
-    return usage(d[0].prompt_tokens, sum(x.generated_tokens for x in d), d[0].cached_tokens)
-
-
-def generated_choice(answer: Generation, index: int) -> dict[str, Any]:
-    message = {"role": "assistant", "content": answer.text, "refusal": None}
-    return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
-
-
-def choice_delta(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    """One choice of a stream chunk."""
-    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-
-
-def delta_chunks(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
-    """A whole message as stream deltas: the role, then the content or the tool call."""
-    if message.get("tool_calls"):
-        delta: dict[str, Any] = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
-    else:
-        delta = {"content": message["content"]}
-    return [choice_delta(index, {"role": "assistant", "content": ""}), choice_delta(index, delta)]

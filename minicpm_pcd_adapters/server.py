@@ -31,19 +31,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from minicpm_pcd_adapters.batching import Batcher, QueueFull
-from minicpm_pcd_adapters.openai_protocol import (
-    APIError,
-    ClassifyCall,
+from minicpm_pcd_adapters.openai_answers import (
     Completion,
-    GenerateCall,
-    RequestLimits,
     choice_delta,
     classified_message,
     classified_usage,
     delta_chunks,
     generated_choice,
-    parse_request,
     usage,
+)
+from minicpm_pcd_adapters.openai_protocol import (
+    APIError,
+    ClassifyCall,
+    GenerateCall,
+    RequestLimits,
+    parse_request,
 )
 from minicpm_pcd_adapters.server_calibrations import Calibrations
 from minicpm_pcd_adapters.server_guard import Guard
@@ -152,7 +154,9 @@ class Completions:
         chunks = []
         for answer in answers:  # a structured answer is known only when whole: one content chunk
             index = answer["index"]
-            chunks += [completion.chunk([delta]) for delta in delta_chunks(answer["message"], index)]
+            deltas = delta_chunks(answer["message"], index)
+            deltas[-1]["logprobs"] = answer["logprobs"]  # on the chunk that carries the content
+            chunks += [completion.chunk([delta]) for delta in deltas]
             end = choice_delta(index, {}, answer["finish_reason"])
             chunks.append(completion.chunk([{**end, "pcd": answer["pcd"]}]))
         if call.include_usage:

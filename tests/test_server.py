@@ -346,3 +346,28 @@ def test_a_calibration_of_another_model_stops_the_server_before_it_serves(
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "not on the served model" in done.stderr
     assert "Uvicorn running" not in done.stderr
+
+
+def test_structured_answers_carry_standard_logprobs_equal_to_pcd(client, engine):
+    import math
+
+    response = ask(client, TEXTS[1], logprobs=True, top_logprobs=2)
+    (choice,) = response.choices
+    fields = choice.pcd["fields"]
+    content = choice.logprobs.content  # the SDK's own ChatCompletionTokenLogprob objects
+    assert [json.loads(entry.token) for entry in content] == [
+        fields["topic"]["value"],
+        fields["urgent"]["value"],
+    ]
+    for entry, path in zip(content, ("topic", "urgent"), strict=True):
+        probabilities = fields[path]["probabilities"]
+        assert math.exp(entry.logprob) == pytest.approx(
+            probabilities[json.dumps(fields[path]["value"]).strip('"')]
+        )
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes).decode() == entry.token
+    streamed = ask(client, TEXTS[1], logprobs=True, stream=True)
+    chunks = [c for c in streamed if c.choices and c.choices[0].logprobs is not None]
+    assert [e.token for e in chunks[0].choices[0].logprobs.content] == [e.token for e in content]
+    assert ask(client, TEXTS[1]).choices[0].logprobs is None  # only when asked

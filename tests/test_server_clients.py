@@ -134,3 +134,31 @@ def test_a_calibration_served_equals_in_process_classify_with_it(engine, tmp_pat
             assert described["name"] == "ticket" and described["methods"] == {
                 p: f.method for p, f in cal.fields.items()
             }
+
+
+def test_langchain_and_llama_index_keep_the_fields_probabilities_as_logprobs(url, engine):
+    import math
+
+    from llama_index.core.base.llms.types import ChatMessage
+
+    reference = engine.classify(TEXT, Ticket)
+    chosen = [f.probabilities[f.value] for f in reference.fields.values()]
+    llm = ChatOpenAI(model="smollm2", base_url=url, api_key=KEY, max_retries=0, logprobs=True)
+    out = llm.with_structured_output(Ticket, method="json_schema", include_raw=True).invoke(TEXT)
+    assert out["parsed"] == reference.value
+    content = out["raw"].response_metadata["logprobs"]["content"]
+    assert [json.loads(e["token"]) for e in content] == [f.value for f in reference.fields.values()]
+    assert [math.exp(e["logprob"]) for e in content] == pytest.approx(chosen, abs=1e-4)
+    index_llm = OpenAILike(
+        model="smollm2", api_base=url, api_key=KEY, is_chat_model=True, context_window=8192, max_retries=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    schema = Ticket.model_json_schema()
+    response = index_llm.chat(
+        [ChatMessage(role="user", content=TEXT)],
+        response_format={"type": "json_schema", "json_schema": {"name": "Ticket", "schema": schema}},
+    )
+    assert Ticket.model_validate_json(response.message.content) == reference.value
+    assert [math.exp(alternatives[0].logprob) for alternatives in response.logprobs] == pytest.approx(
+        chosen, abs=1e-4
+    )

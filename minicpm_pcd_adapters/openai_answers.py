@@ -1,0 +1,139 @@
+"""OpenAI Chat Completions answers as `pcd serve` writes them: completion and chunk objects, usage,
+structured answers with the `pcd` extension and standard `logprobs`. No web framework, no model."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from minicpm_pcd_adapters.openai_protocol import ClassifyCall
+from pcd_engine import Generation, PCDResult
+
+
+@dataclass
+class Completion:
+    """One response: its id, creation time and model, then its choices (one per `n`)."""
+
+    model: str
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+            "system_fingerprint": None,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -> dict[str, Any]:
+    """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension."""
+    answer = result.to_json()
+    arguments = json.dumps(answer["value"], ensure_ascii=False)
+    if call.tool is None:
+        message: dict[str, Any] = {"role": "assistant", "content": arguments, "refusal": None}
+    else:
+        message = {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{secrets.token_hex(12)}",
+                    "type": "function",
+                    "function": {"name": call.tool, "arguments": arguments},
+                }
+            ],
+        }
+    d = result.diagnostics
+    extension = {
+        "fields": answer["fields"],
+        "needs_review": result.needs_review,
+        "abstained_fields": result.abstained_fields,
+        "forward_calls": d.forward_calls,
+        "cached_tokens": d.cached_tokens,
+    }
+    finish = "stop" if call.tool is None else "tool_calls"
+    logprobs = scored_logprobs(result, call.top_logprobs) if call.logprobs else None
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": finish,
+        "logprobs": logprobs,
+        "pcd": extension,
+    }
+
+
+def scored_logprobs(result: PCDResult[Any], top: int) -> dict[str, Any]:
+    """OpenAI's `choice.logprobs` for a structured answer: per scored field, in answer order, one
+    entry whose `token` is the chosen value as written in the JSON answer and whose `logprob` is the
+    log of its (calibrated) probability; `top_logprobs` lists the field's `top` most probable values,
+    most probable first. Generated (open) fields carry no entry."""
+
+    def entry(value: Any, p: float) -> dict[str, Any]:
+        token = json.dumps(value, ensure_ascii=False)
+        return {"token": token, "logprob": math.log(p) if p > 0 else -9999.0, "bytes": list(token.encode())}
+
+    content = []
+    for f in result.fields.values():
+        if f.source != "scored":
+            continue
+        ranked = sorted(f.probabilities.items(), key=lambda kv: -kv[1])[:top]
+        content.append(
+            {**entry(f.value, f.probabilities[f.value]), "top_logprobs": [entry(v, p) for v, p in ranked]}
+        )
+    return {"content": content, "refusal": None}
+
+
+def classified_usage(results: list[PCDResult[Any]]) -> dict[str, Any]:
+    d = [r.diagnostics for r in results]
+    return usage(d[0].prompt_tokens, sum(x.generated_tokens for x in d), d[0].cached_tokens)
+
+
+def generated_choice(answer: Generation, index: int) -> dict[str, Any]:
+    message = {"role": "assistant", "content": answer.text, "refusal": None}
+    return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
+
+
+def choice_delta(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """One choice of a stream chunk."""
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+def delta_chunks(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """A whole message as stream deltas: the role, then the content or the tool call."""
+    if message.get("tool_calls"):
+        delta: dict[str, Any] = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+    else:
+        delta = {"content": message["content"]}
+    return [choice_delta(index, {"role": "assistant", "content": ""}), choice_delta(index, delta)]
