@@ -86,10 +86,10 @@ def majority(plan: Any, truth_fit: list[dict[str, Any]], truth_test: list[dict[s
 
 
 def fitted_answers(engine, plan, scored, truth, fit_idx, test_idx, method) -> list[dict[str, Any]]:
-    fields = [scored[i][0] for i in fit_idx]
-    hidden: list[HiddenStates | None] = [scored[i][1] for i in fit_idx]
     if method == "none" or not fit_idx:
         return [scored[i][0] for i in test_idx]
+    fields = [scored[i][0] for i in fit_idx]
+    hidden: list[HiddenStates | None] = [scored[i][1] for i in fit_idx]
     labels = None if method == "batch" else [truth[i] for i in fit_idx]
     cal = fit(plan, engine.model_identity, fields, labels, method, hidden=hidden)
     return [cal.apply(scored[i][0], scored[i][1]) for i in test_idx]

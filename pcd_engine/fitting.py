@@ -244,33 +244,35 @@ def fit_field(
     if "head" in tried:
         head_fit = heads.fit_head(d.values, z, features, y, fold, d.tree)
         held_out["head"] = head_fit.out_of_fold
-    scores = {m: metrics.field_report(p.tolist(), y.tolist()) for m, p in held_out.items()}
+    truth = y.tolist()
+    scores = {m: metrics.field_report(p.tolist(), truth) for m, p in held_out.items()}
     chosen, reason = choose(scores) if method == "auto" or fallback else (method, "asked for")
     if fallback:
-        reason = f"no head: {_not_ready(d.values, y.tolist())}; then {reason}"
-    raw = torch.softmax(z, dim=1).tolist()
-    majority = [_fold_majority(y.tolist(), fold, k) for k in range(len(keep))]
+        reason = f"no head: {_not_ready(d.values, truth)}; then {reason}"
+    raw_probs = torch.softmax(z, dim=1)
+    raw = raw_probs.tolist()
+    majority = [_fold_majority(truth, fold, k) for k in range(len(keep))]
     report: dict[str, Any] = {
         "method": chosen,
         "reason": reason,
         "n": len(keep),
         "cv_log_loss": {m: r["log_loss"] for m, r in scores.items()},
         "cv": {m: {k: r[k] for k in ("accuracy", "macro_f1", "log_loss")} for m, r in scores.items()},
-        "before": metrics.field_report(raw, y.tolist()),
+        "before": metrics.field_report(raw, truth),
         "after": scores[chosen],
-        "majority": sum(m == t for m, t in zip(majority, y.tolist(), strict=True)) / len(keep),
-        "label_shares": _shares(d.values, y.tolist()),
-        "model_shares": dict(zip(d.values, torch.softmax(z, dim=1).mean(dim=0).tolist(), strict=True)),
+        "majority": sum(m == t for m, t in zip(majority, truth, strict=True)) / len(keep),
+        "label_shares": _shares(d.values, truth),
+        "model_shares": dict(zip(d.values, raw_probs.mean(dim=0).tolist(), strict=True)),
     }
     if not ready:
-        report["head"] = f"not tried: {_not_ready(d.values, y.tolist())}"
+        report["head"] = f"not tried: {_not_ready(d.values, truth)}"
     if head_fit is not None:
         report["head_configs"] = head_fit.tried
         report["head_block"], report["head_l2"] = head_fit.head.block, head_fit.head.l2
     warning = skew_warning(report["label_shares"], report["model_shares"])
     if warning:
         report["warning"] = warning
-    held = HeldOut(y.tolist(), raw, held_out[chosen].tolist())
+    held = HeldOut(truth, raw, held_out[chosen].tolist())
     if chosen == "head":
         assert head_fit is not None
         return head_fit.head, report, held

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from pcd_engine import fitting
 from pcd_engine.calibration import Calibration, ModelIdentity
+from pcd_engine.decisions import scored_values
 from pcd_engine.errors import CalibrationError, PCDError
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
@@ -158,8 +159,7 @@ class LearningMixin:
         for u in pick_uncertain(per_text, count, by):
             fields = per_text[u.index]
             assert fields is not None
-            chosen = {p: f.value for p, f in fields.items() if f.source == "scored"}
-            label = plan.compiled.assemble(chosen)
+            label = plan.compiled.assemble(scored_values(fields))
             picked.append(Suggestion(texts[u.index], label, u.index, u.field, u.uncertainty))
         errors = {i: s for i, s in enumerate(scored) if isinstance(s, PCDError)}
         return LabelSuggestions(picked, errors)

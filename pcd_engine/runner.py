@@ -152,9 +152,10 @@ class BranchRunner:
             if len(group) > 1:
                 kv.batch_repeat_interleave(len(group))
         packed = packing.pack_rows([prompts[i][past:] for i in group], past, trees)
+        tree_tokens = sum(len(t.tokens) for t in trees)
         rows: list[RowCapture] | None = None
         if capture is not None:  # rows are left-padded to the call's width
-            width, tree_tokens = packed.ids.shape[1], sum(len(t.tokens) for t in trees)
+            width = packed.ids.shape[1]
             rows = []
             for i in group:
                 pad = width - (len(prompts[i]) - past + tree_tokens)
@@ -172,7 +173,6 @@ class BranchRunner:
                 **self._rows(prompts, group[:half], trees, normalized, shared, past, stats, capture),
                 **self._rows(prompts, group[half:], trees, normalized, shared, past, stats, capture),
             }
-        tree_tokens = sum(len(t.tokens) for t in trees)
         for i in group:
             stats[i].forward_calls += 1
             stats[i].fed_tokens += len(prompts[i]) - past + tree_tokens
