@@ -7,11 +7,12 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from minicpm_pcd_adapters.openai_protocol import ClassifyCall
-from pcd_engine import Generation, PCDResult
+from pcd_engine import Generation, PCDResult, TokenLogprob
 
 
 @dataclass
@@ -95,14 +96,14 @@ def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -
 
 
 def scored_logprobs(result: PCDResult[Any], top: int) -> dict[str, Any]:
-    """OpenAI's `choice.logprobs` for a structured answer: per scored field, in answer order, one
-    entry whose `token` is the chosen value as written in the JSON answer and whose `logprob` is the
-    log of its (calibrated) probability; `top_logprobs` lists the field's `top` most probable values,
-    most probable first. Generated (open) fields carry no entry."""
+    """OpenAI's `choice.logprobs` for a structured answer. First, per scored field in answer order,
+    one entry whose `token` is the chosen value as written in the JSON answer and whose `logprob` is
+    the log of its (calibrated) probability; `top_logprobs` lists the field's `top` most probable
+    values, most probable first. Then the tokens generated for the open fields (the JSON text after
+    the scored values), each with the model's log-probability and its `top` alternatives."""
 
     def entry(value: Any, p: float) -> dict[str, Any]:
-        token = json.dumps(value, ensure_ascii=False)
-        return {"token": token, "logprob": math.log(p) if p > 0 else -9999.0, "bytes": list(token.encode())}
+        return _entry(json.dumps(value, ensure_ascii=False), math.log(p) if p > 0 else -9999.0)
 
     content = []
     for f in result.fields.values():
@@ -112,7 +113,21 @@ def scored_logprobs(result: PCDResult[Any], top: int) -> dict[str, Any]:
         content.append(
             {**entry(f.value, f.probabilities[f.value]), "top_logprobs": [entry(v, p) for v, p in ranked]}
         )
+    generated = token_logprobs(result.token_logprobs or (), top)
+    return {"content": content + generated["content"], "refusal": None}
+
+
+def token_logprobs(tokens: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+    """OpenAI's `logprobs` object for generated tokens, with at most `top` alternatives each."""
+    content = [
+        {**_entry(t.token, t.logprob), "top_logprobs": [_entry(text, p) for text, p in t.top[:top]]}
+        for t in tokens
+    ]
     return {"content": content, "refusal": None}
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode())}
 
 
 def classified_usage(results: list[PCDResult[Any]]) -> dict[str, Any]:
@@ -120,9 +135,11 @@ def classified_usage(results: list[PCDResult[Any]]) -> dict[str, Any]:
     return usage(d[0].prompt_tokens, sum(x.generated_tokens for x in d), d[0].cached_tokens)
 
 
-def generated_choice(answer: Generation, index: int) -> dict[str, Any]:
+def generated_choice(answer: Generation, index: int, top: int | None = None) -> dict[str, Any]:
+    """A plain chat choice; with `top` (not None), its tokens' `logprobs` with `top` alternatives."""
     message = {"role": "assistant", "content": answer.text, "refusal": None}
-    return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
+    logprobs = None if answer.logprobs is None or top is None else token_logprobs(answer.logprobs, top)
+    return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": logprobs}
 
 
 def choice_delta(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:

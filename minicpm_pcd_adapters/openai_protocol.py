@@ -167,10 +167,16 @@ class ClassifyCall:
     logprobs: bool = False  # answer with `choice.logprobs`: one entry per scored field
     top_logprobs: int = 0  # and the field's k most probable values at each
 
+    @property
+    def recorded_logprobs(self) -> int | None:
+        """The engine's `logprobs=` for generated tokens: None when not asked for."""
+        return self.top_logprobs if self.logprobs else None
+
     def batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one `classify_batch` (same schema and options)."""
         schema = json.dumps(self.schema, sort_keys=True)
-        return (schema, self.instructions, self.sampling, self.abstain_below, self.calibration)
+        options = (self.sampling, self.abstain_below, self.calibration, self.recorded_logprobs)
+        return (schema, self.instructions, *options)
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,7 @@ class GenerateCall:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # the engine's `logprobs=`: alternatives per token, None when off
 
 
 def parse_request(
@@ -197,7 +204,7 @@ def parse_request(
     except ValidationError as error:
         raise _shape_error(error) from None
     structured = _structured_target(request)
-    _refuse_unsupported(request, limits, structured is not None)
+    _refuse_unsupported(request, limits)
     messages = _message_pairs(request, limits)
     sampling = _sampling(request)
     n = request.n or 1
@@ -227,7 +234,10 @@ def parse_request(
     json_object = request.response_format is not None and request.response_format.type == "json_object"
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return GenerateCall(request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return GenerateCall(
+        request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs
+    )
 
 
 def _shape_error(error: ValidationError) -> APIError:
@@ -238,14 +248,12 @@ def _shape_error(error: ValidationError) -> APIError:
     return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")
 
 
-def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits, structured: bool) -> None:
+def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be from 0 to 20", param="top_logprobs", code="invalid_value")
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     unsupported = {
-        # structured answers carry their fields' probabilities as logprobs; plain chat does not yet
-        "logprobs": request.logprobs and not structured,
         "logit_bias": request.logit_bias,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,

@@ -38,6 +38,7 @@ from minicpm_pcd_adapters.openai_answers import (
     classified_usage,
     delta_chunks,
     generated_choice,
+    token_logprobs,
     usage,
 )
 from minicpm_pcd_adapters.openai_protocol import (
@@ -81,6 +82,7 @@ class ClassifyRunner:
             sampling=first.sampling,
             abstain_below=first.abstain_below,
             calibration=self.calibrations.by_name.get(first.calibration or ""),
+            logprobs=first.recorded_logprobs,
             return_exceptions=True,
         )
         out, start = [], 0
@@ -166,7 +168,7 @@ class Completions:
     async def _generate(self, call: GenerateCall, request: Request) -> Response:
         job = self.batcher.exclusive(lambda: _generations(self.engine, call))
         answers = await _while_connected(request, self._queued(job))
-        choices = [generated_choice(a, i) for i, a in enumerate(answers)]
+        choices = [generated_choice(a, i, call.logprobs) for i, a in enumerate(answers)]
         total = usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
         return JSONResponse(Completion(call.model).body(choices, total))
 
@@ -191,6 +193,7 @@ class Completions:
                         stop=call.stop,
                         sampling=_nth(call, index),
                         json_object=call.json_object,
+                        logprobs=call.logprobs,
                     )
                     try:
                         for piece in stream:
@@ -244,8 +247,11 @@ async def _generated_chunks(
             if index not in opened:
                 opened.add(index)
                 yield completion.chunk([choice_delta(index, {"role": "assistant", "content": ""})])
-            if piece.text:
-                yield completion.chunk([choice_delta(index, {"content": piece.text})])
+            if piece.text or piece.logprobs:
+                delta = choice_delta(index, {"content": piece.text})
+                if piece.logprobs is not None:
+                    delta["logprobs"] = token_logprobs(piece.logprobs, call.logprobs or 0)
+                yield completion.chunk([delta])
             if piece.finish_reason is not None:
                 prompt_tokens = piece.prompt_tokens or 0
                 completion_tokens += piece.completion_tokens or 0
@@ -341,6 +347,7 @@ def _generations(engine: PCDEngine, call: GenerateCall) -> list[Generation]:
             stop=call.stop,
             sampling=_nth(call, index),
             json_object=call.json_object,
+            logprobs=call.logprobs,
         )
         for index in range(call.n)
     ]

@@ -30,7 +30,14 @@ from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.precision import SelfCheck
 from pcd_engine.prompt import TEXT_FRAMINGS
-from pcd_engine.results import Diagnostics, FieldResult, Generation, GenerationChunk, PCDResult
+from pcd_engine.results import (
+    Diagnostics,
+    FieldResult,
+    Generation,
+    GenerationChunk,
+    PCDResult,
+    TokenLogprob,
+)
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 from pcd_engine.suggestions import LabelSuggestions, Suggestion
@@ -76,6 +83,7 @@ __all__ = [
     "SelfCheck",
     "StructuredOutputError",
     "Suggestion",
+    "TokenLogprob",
     "UnsupportedSchemaError",
     "compile_schema",
     "create_manifest",

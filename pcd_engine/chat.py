@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcd_engine.errors import InputError
-from pcd_engine.generate import Completion, Generator, Sampling, StopStrings
+from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling, StopStrings, check_logprobs
 from pcd_engine.prompt import ChatPrompt
-from pcd_engine.results import Generation, GenerationChunk
+from pcd_engine.results import Generation, GenerationChunk, TokenLogprob
 from pcd_engine.schema import Limits
 
 Message = Mapping[str, Any] | tuple[str, str]
@@ -31,9 +31,13 @@ class ChatCall:
     sampling: Sampling
     stops: StopStrings  # per call: it buffers streamed text
     json_object: bool = False  # constrain the answer to one JSON object (xgrammar)
+    logprobs: int | None = None  # record each token's log-probability with this many alternatives
 
     def matchers(self, generator: Generator) -> list[Any] | None:
         return [generator.matcher(generator.compile_json_object())] if self.json_object else None
+
+    def recorder(self) -> LogprobRecorder | None:
+        return None if self.logprobs is None else LogprobRecorder(1, self.logprobs)
 
     def generate(self, generator: Generator) -> Generation:
         (completion,) = generator.run(
@@ -42,29 +46,63 @@ class ChatCall:
             sampling=self.sampling,
             stop_strings=self.stops.stops,
             matchers=self.matchers(generator),
+            recorder=self.recorder(),
         )
         text = self.stops.cut(generator.tokenizer.decode(completion.ids, skip_special_tokens=True))
-        return Generation(text, completion.finish_reason, len(self.ids), len(completion.ids))
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = _up_to(generator.token_logprobs(completion.logprobs), len(text))
+        return Generation(text, completion.finish_reason, len(self.ids), len(completion.ids), logprobs)
 
     def stream(self, generator: Generator) -> Iterator[GenerationChunk]:
-        """Text pieces as tokens are decoded; the last chunk has the finish reason and token counts."""
+        """Text pieces as tokens are decoded; the last chunk has the finish reason and token counts.
+        With `logprobs`, each chunk carries the tokens recorded since the previous chunk (up to a
+        stop string)."""
         done: Completion | None = None
+        recorder = self.recorder()
+        sent = 0
+
+        def recorded(upto: int | None = None) -> tuple[TokenLogprob, ...] | None:
+            nonlocal sent
+            if recorder is None:
+                return None
+            steps = recorder.steps[0][sent:upto]
+            steps = [s for s in steps if s.id not in generator.stop_ids]  # the final stop token
+            sent += len(steps)
+            return generator.token_logprobs(steps)
+
         pieces = generator.stream(
             self.ids,
             max_new_tokens=self.max_tokens,
             sampling=self.sampling,
             stop_strings=self.stops.stops,
             matchers=self.matchers(generator),
+            recorder=recorder,
         )
         for piece in pieces:
             if isinstance(piece, Completion):
                 done = piece
             elif text := self.stops.feed(piece):
-                yield GenerationChunk(text)
-        if rest := self.stops.flush():
-            yield GenerationChunk(rest)
+                yield GenerationChunk(text, logprobs=recorded())
         assert done is not None
-        yield GenerationChunk("", done.finish_reason, len(self.ids), len(done.ids))
+        empty = None if recorder is None else ()
+        tail = empty if self.stops.stopped else recorded(len(done.ids))
+        if rest := self.stops.flush():
+            yield GenerationChunk(rest, logprobs=tail)
+            tail = empty
+        yield GenerationChunk("", done.finish_reason, len(self.ids), len(done.ids), tail)
+
+
+def _up_to(tokens: tuple[TokenLogprob, ...], length: int) -> tuple[TokenLogprob, ...]:
+    """The leading tokens whose text starts within the first `length` characters (a stop string cuts
+    the text inside the generated tokens)."""
+    out, start = [], 0
+    for token in tokens:
+        if start >= length:
+            break
+        out.append(token)
+        start += len(token.token)
+    return tuple(out)
 
 
 def chat_call(
@@ -76,10 +114,12 @@ def chat_call(
     sampling: Sampling,
     options: Mapping[str, Any],
     json_object: bool = False,
+    logprobs: int | None = None,
 ) -> ChatCall:
     """The checked inputs of one chat call; `options` override fields of `sampling`."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    check_logprobs(logprobs)
     stops = [stop] if isinstance(stop, str) else list(stop or ())
     if not all(isinstance(s, str) for s in stops):
         raise InputError(f"stop must be a list of strings, got {stop!r}")
@@ -97,7 +137,7 @@ def chat_call(
             f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens} "
             "(Limits.max_prompt_tokens)"
         )
-    return ChatCall(ids, max_tokens, chosen, StopStrings(stops), json_object)
+    return ChatCall(ids, max_tokens, chosen, StopStrings(stops), json_object, logprobs)
 
 
 def message_pairs(messages: Any) -> list[tuple[str, str]]:
@@ -147,6 +187,7 @@ class ChatMixin:
         stop: Sequence[str] | None = None,
         sampling: Sampling | None = None,
         json_object: bool = False,
+        logprobs: int | None = None,
         **sampling_options: Any,
     ) -> Generation:
         """Plain chat generation: messages (role/content dicts or pairs) in, the assistant's text out.
@@ -155,10 +196,20 @@ class ChatMixin:
         is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
         `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
         for a schema, use `classify`); it can still end at `max_tokens` before the object is complete.
+        `logprobs=k` records each token's log-probability and its `k` (0 to 20) most probable
+        alternatives in `Generation.logprobs` (see `TokenLogprob`).
         """
         chosen = sampling or self.sampling
         call = chat_call(
-            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
+            self.prompt,
+            self.limits,
+            messages,
+            max_tokens,
+            stop,
+            chosen,
+            sampling_options,
+            json_object,
+            logprobs,
         )
         return call.generate(self.generator)
 
@@ -170,12 +221,22 @@ class ChatMixin:
         stop: Sequence[str] | None = None,
         sampling: Sampling | None = None,
         json_object: bool = False,
+        logprobs: int | None = None,
         **sampling_options: Any,
     ) -> collections.abc.Generator[GenerationChunk, None, None]:
         """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
-        reason and the token counts. Closing the iterator early stops generation."""
+        reason and the token counts (and with `logprobs=`, its chunks the tokens' log-probabilities).
+        Closing the iterator early stops generation."""
         chosen = sampling or self.sampling
         call = chat_call(
-            self.prompt, self.limits, messages, max_tokens, stop, chosen, sampling_options, json_object
+            self.prompt,
+            self.limits,
+            messages,
+            max_tokens,
+            stop,
+            chosen,
+            sampling_options,
+            json_object,
+            logprobs,
         )
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()

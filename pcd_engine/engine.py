@@ -204,6 +204,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         calibration: Calibration | None = None,
         abstain_below: float | None = None,
         on_abstain: str = "flag",
+        logprobs: int | None = None,
     ) -> PCDResult[T]: ...
 
     @overload
@@ -220,6 +221,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         calibration: Calibration | None = None,
         abstain_below: float | None = None,
         on_abstain: str = "flag",
+        logprobs: int | None = None,
     ) -> PCDResult[Any]: ...
 
     def classify(
@@ -235,6 +237,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         calibration: Calibration | None = None,
         abstain_below: float | None = None,
         on_abstain: str = "flag",
+        logprobs: int | None = None,
     ) -> PCDResult[Any]:
         """Answer one text with a validated `schema` value and per-field results.
 
@@ -243,7 +246,9 @@ class PCDEngine(LearningMixin, ChatMixin):
         `examples`: labeled (text, answer) pairs put in the cached prompt head. `calibration`: a
         `Calibration` fitted for this schema, model and rule (`calibrate`). `abstain_below`: a field
         whose (calibrated) confidence is below it is marked abstained (default: the engine's);
-        `on_abstain="raise"` then raises AbstentionError carrying the result.
+        `on_abstain="raise"` then raises AbstentionError carrying the result. `logprobs=k` records
+        the generated tokens' log-probabilities, each with its `k` (0 to 20) most probable
+        alternatives, in `result.token_logprobs`.
         """
         options = RequestOptions(
             instructions=instructions,
@@ -254,6 +259,7 @@ class PCDEngine(LearningMixin, ChatMixin):
             calibration=calibration,
             abstain_below=self._abstain_below(abstain_below),
             on_abstain=on_abstain,
+            logprobs=logprobs,
         )
         (result,) = self._run([text], schema, options, return_exceptions=False, single=True)
         assert not isinstance(result, PCDError)
@@ -273,6 +279,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         calibrate: str | None = None,
         abstain_below: float | None = None,
         on_abstain: str = "flag",
+        logprobs: int | None = None,
         return_exceptions: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> list[PCDResult[Any] | PCDError]:
@@ -297,6 +304,7 @@ class PCDEngine(LearningMixin, ChatMixin):
             batch_calibration=calibrate == "batch",
             abstain_below=self._abstain_below(abstain_below),
             on_abstain=on_abstain,
+            logprobs=logprobs,
         )
         return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
 
@@ -364,7 +372,8 @@ class PCDEngine(LearningMixin, ChatMixin):
                 if progress is not None:
                     progress(1)
         else:
-            self.filler.fill(plan, requests, options.sampling or self.sampling, single, progress)
+            sampling = options.sampling or self.sampling
+            self.filler.fill(plan, requests, sampling, single, progress, options.logprobs)
             if progress is not None and len(requests) < len(items):
                 progress(len(items) - len(requests))
         # 6. one result or error per input, in order

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from pcd_engine.decisions import scored_values
 from pcd_engine.errors import StructuredOutputError, UnsupportedSchemaError
-from pcd_engine.generate import Completion, Generator, Sampling
+from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling
 from pcd_engine.json_schema import Keys, pinned_schema, token_budget
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
@@ -128,9 +128,11 @@ class JsonFiller:
         sampling: Sampling,
         single: bool,
         progress: Callable[[int], None] | None = None,
+        logprobs: int | None = None,
     ) -> None:
         """Generate the open fields of every request, in padded batches, with one retry each; a
-        `single` request starts from the cached head."""
+        `single` request starts from the cached head. `logprobs=k` records the generated tokens'
+        log-probabilities (k alternatives each) on the requests."""
         jobs = [
             self.job(plan, r.prompt.ids, plan.compiled.closed_values(scored_values(r.fields)))
             for r in requests
@@ -145,20 +147,29 @@ class JsonFiller:
                 sampling=sampling,
                 matchers=[jobs[i].matcher for i in chunk],
                 cache=kv,
+                recorder=None if logprobs is None else LogprobRecorder(len(chunk), logprobs),
             )
             elapsed = elapsed_ms(began)
             for i, completion in zip(chunk, completions, strict=True):
                 requests[i].timings["generate"] = elapsed
-                self._finish(plan, requests[i], jobs[i], completion, sampling)
+                self._finish(plan, requests[i], jobs[i], completion, sampling, logprobs)
                 if progress is not None:
                     progress(1)
 
     def _finish(
-        self, plan: SchemaPlan, request: Request, job: FillJob, completion: Completion, sampling: Sampling
+        self,
+        plan: SchemaPlan,
+        request: Request,
+        job: FillJob,
+        completion: Completion,
+        sampling: Sampling,
+        logprobs: int | None,
     ) -> None:
         """Parse and validate one generated answer; after a validation error, retry once."""
         for attempt in (1, 2):
             request.attempts = attempt
+            if completion.logprobs is not None:
+                request.token_logprobs = self.generator.token_logprobs(completion.logprobs)
             request.generated_tokens += completion.steps
             request.stats.forward_calls += completion.steps
             try:
@@ -184,6 +195,7 @@ class JsonFiller:
                 sampling=sampling,
                 matchers=[job.matcher],
                 cache=self._head_kv(plan, job.prompt, request),
+                recorder=None if logprobs is None else LogprobRecorder(1, logprobs),
             )
             request.timings["retry"] = elapsed_ms(began)
 

@@ -9,6 +9,8 @@ prompt is computed.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
@@ -26,6 +28,9 @@ from transformers import (
 )
 
 from pcd_engine.errors import InputError
+from pcd_engine.results import TokenLogprob
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,61 @@ class Completion:
     ids: list[int]  # the generated tokens, stop token and padding removed
     finish_reason: str  # "stop" (stop token, stop string or grammar end) or "length" (token budget)
     steps: int  # decoding steps taken (forward calls)
+    logprobs: list[StepLogprob] | None = None  # one per id, when a LogprobRecorder ran
+
+
+@dataclass(frozen=True)
+class StepLogprob:
+    """The chosen token's log-probability at one step and the `top` alternatives as (id, logprob)."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def check_logprobs(logprobs: int | None) -> None:
+    """`logprobs=` is None (not recorded) or how many alternatives to keep per token, 0 to 20."""
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise InputError(f"logprobs must be None or an int from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
+
+
+class LogprobRecorder(LogitsProcessor):
+    """Records each row's chosen tokens' log-probabilities and the `top` alternatives per step.
+
+    Placed after the grammar processor, it sees the logits transformers' own processors (repetition
+    penalty) and the grammar mask have shaped, before the sampling warpers (temperature, top-p): the
+    distribution greedy decoding takes its maximum from. A step's chosen token is known at the next
+    call (the last input id) or, for the last step, from the output (`finish`). `steps[row]` grows
+    as tokens are chosen, so a streaming reader can take the entries made so far."""
+
+    def __init__(self, rows: int, top: int) -> None:
+        self.top = top
+        self.steps: list[list[StepLogprob]] = [[] for _ in range(rows)]
+        self._last: torch.Tensor | None = None  # the previous step's log-softmax, one row per row
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._resolve(input_ids[:, -1])
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_ids: torch.Tensor) -> None:
+        self._resolve(last_ids)
+
+    def _resolve(self, chosen: torch.Tensor) -> None:
+        if self._last is None:
+            return
+        logprobs = self._last.gather(1, chosen.view(-1, 1).to(self._last.device)).view(-1).tolist()
+        if self.top:
+            values, ids = self._last.topk(self.top, dim=-1)
+            pairs = zip(ids.tolist(), values.tolist(), strict=True)  # a masked token is no alternative
+            tops = [[(t, v) for t, v in zip(i, vs, strict=True) if v > -math.inf] for i, vs in pairs]
+        else:
+            tops = [[] for _ in logprobs]
+        for row, (token, logprob, top) in enumerate(zip(chosen.tolist(), logprobs, tops, strict=True)):
+            self.steps[row].append(StepLogprob(int(token), float(logprob), tuple(top)))
+        self._last = None
 
 
 class GrammarProcessor(LogitsProcessor):
@@ -169,8 +229,10 @@ class Generator:
         streamer: Any = None,
         cache: Any = None,
         cancel: threading.Event | None = None,
+        recorder: LogprobRecorder | None = None,
     ) -> list[Completion]:
-        """Generate for every row; returns one Completion per row, in order."""
+        """Generate for every row; returns one Completion per row, in order (with each token's
+        log-probability when a `recorder` is given)."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -186,8 +248,13 @@ class Generator:
             **sampling.config(),
         )
         kwargs: dict[str, Any] = {}
+        processors: list[LogitsProcessor] = []
         if matchers is not None:
-            kwargs["logits_processor"] = LogitsProcessorList([GrammarProcessor(matchers, self.vocab_size)])
+            processors.append(GrammarProcessor(matchers, self.vocab_size))
+        if recorder is not None:
+            processors.append(recorder)  # after the grammar mask
+        if processors:
+            kwargs["logits_processor"] = LogitsProcessorList(processors)
         if stop_strings:
             kwargs["tokenizer"] = self.tokenizer  # stop strings are matched on token texts
         if cancel is not None:
@@ -204,8 +271,27 @@ class Generator:
                 streamer=streamer,
                 **kwargs,
             )
+        if recorder is not None and out.shape[1] > width:
+            recorder.finish(out[:, -1])
         new = out[:, width:].tolist()
-        return [self._completion(row, max_new_tokens, stop_strings) for row in new]
+        completions = [self._completion(row, max_new_tokens, stop_strings) for row in new]
+        if recorder is None:
+            return completions
+        return [
+            dataclasses.replace(c, logprobs=steps[: len(c.ids)])
+            for c, steps in zip(completions, recorder.steps, strict=True)
+        ]
+
+    def token_logprobs(self, steps: Sequence[StepLogprob]) -> tuple[TokenLogprob, ...]:
+        """The recorded steps with their tokens as text (each decoded on its own)."""
+        decode = self.tokenizer.decode
+
+        def text(token: int) -> str:
+            return decode([token], skip_special_tokens=False)
+
+        return tuple(
+            TokenLogprob(text(s.id), s.logprob, tuple((text(i), p) for i, p in s.top)) for s in steps
+        )
 
     def _completion(self, row: list[int], max_new_tokens: int, stop_strings: Sequence[str]) -> Completion:
         steps = len(row)
@@ -229,8 +315,10 @@ class Generator:
         sampling: Sampling,
         stop_strings: Sequence[str],
         matchers: Sequence[Any] | None = None,
+        recorder: LogprobRecorder | None = None,
     ) -> Iterator[str | Completion]:
-        """Text pieces as they are decoded, then the Completion. Closing the iterator stops generation."""
+        """Text pieces as they are decoded, then the Completion. Closing the iterator stops generation.
+        A `recorder`'s `steps[0]` grows while the pieces come."""
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         cancel = threading.Event()
         outcome: dict[str, Any] = {}
@@ -245,6 +333,7 @@ class Generator:
                     matchers=matchers,
                     streamer=streamer,
                     cancel=cancel,
+                    recorder=recorder,
                 )[0]
             except BaseException as error:  # re-raised in the caller's thread
                 outcome["error"] = error

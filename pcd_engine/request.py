@@ -18,11 +18,11 @@ from pydantic import BaseModel, ValidationError
 from pcd_engine.calibration import Calibration
 from pcd_engine.decisions import closed_value
 from pcd_engine.errors import AbstentionError, CalibrationError, InputError, PCDError, StructuredOutputError
-from pcd_engine.generate import Sampling
+from pcd_engine.generate import Sampling, check_logprobs
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt, PromptIds
-from pcd_engine.results import Diagnostics, FieldResult, PCDResult
+from pcd_engine.results import Diagnostics, FieldResult, PCDResult, TokenLogprob
 from pcd_engine.runner import PassStats
 from pcd_engine.schema import Limits
 from pcd_engine.scoring import Rule
@@ -43,8 +43,10 @@ class RequestOptions:
     batch_calibration: bool = False
     abstain_below: float | None = None
     on_abstain: str = "flag"
+    logprobs: int | None = None  # record generated tokens' log-probabilities, this many alternatives
 
     def __post_init__(self) -> None:
+        check_logprobs(self.logprobs)
         if self.abstain_below is not None and not 0.0 <= self.abstain_below <= 1.0:
             raise ValueError(f"abstain_below must be a probability in [0, 1], got {self.abstain_below!r}")
         if self.on_abstain not in ON_ABSTAIN:
@@ -89,6 +91,7 @@ class Request:
     generated_tokens: int = 0
     attempts: int = 0
     rescored: int = 0
+    token_logprobs: tuple[TokenLogprob, ...] | None = None  # the open fields' generated tokens
 
     @classmethod
     def render(
@@ -146,7 +149,7 @@ class Request:
             prefix_cache_hit=self.stats.cache_hit,
             rescored_fields=self.rescored,
         )
-        return PCDResult(to_output(self.value), self.fields, diagnostics)
+        return PCDResult(to_output(self.value), self.fields, diagnostics, self.token_logprobs)
 
 
 def render_all(

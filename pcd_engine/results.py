@@ -87,33 +87,52 @@ class Diagnostics:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its text, its log-probability, and the `top` most probable tokens at its
+    position (text, log-probability), most probable first. The distribution is the model's after the
+    grammar mask and repetition penalty, before temperature and top-p: the one greedy decoding takes
+    its maximum from. A token that ends inside a multi-byte character decodes to U+FFFD."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Generation:
-    """The answer of `PCDEngine.generate`: text, why it ended, token counts."""
+    """The answer of `PCDEngine.generate`: text, why it ended, token counts, and each token's
+    log-probability when asked for (`logprobs=`)."""
 
     text: str
     finish_reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """One piece of `PCDEngine.stream`; the last has the finish reason and the token counts."""
+    """One piece of `PCDEngine.stream`; the last has the finish reason and the token counts. With
+    `logprobs=`, each chunk carries the tokens decoded since the previous one (their texts together
+    are the stream's text, up to a stop string)."""
 
     text: str
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class PCDResult(Generic[T]):
     """`value` is a validated instance of the schema (a dict for TypedDict and JSON-schema inputs);
-    `fields` is keyed by dotted path."""
+    `fields` is keyed by dotted path. With `logprobs=`, `token_logprobs` holds the tokens generated
+    for the open fields (the JSON text after the scored values; empty when nothing was generated)."""
 
     value: T
     fields: dict[str, FieldResult]
     diagnostics: Diagnostics
+    token_logprobs: tuple[TokenLogprob, ...] | None = None  # generated tokens, with `logprobs=`
 
     @property
     def abstained_fields(self) -> list[str]:

@@ -108,3 +108,50 @@ def test_sampling_with_a_seed_is_reproducible(engine):
 def test_bad_chat_inputs_raise_input_error_before_model_work(engine, call, match):
     with pytest.raises(InputError, match=match):
         call(engine)
+
+
+def _reference_logprobs(model, prompt_ids, new_ids):
+    """Each new token's log-probability and the log-softmax rows, from one plain forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt_ids, *new_ids]])).logits[0].float()
+    rows = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+    return rows, [float(rows[i, t]) for i, t in enumerate(new_ids)]
+
+
+def test_logprobs_are_the_models_own_for_each_greedy_token(engine, tiny_model, tiny_tokenizer):
+    result = engine.generate(MESSAGES, max_tokens=10, logprobs=3)
+    ids = engine.prompt.render_messages([(m["role"], m["content"]) for m in MESSAGES])
+    assert result.logprobs is not None and len(result.logprobs) == result.completion_tokens
+    assert "".join(t.token for t in result.logprobs) == result.text
+    out = tiny_model.generate(
+        torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=engine.generator.stop_ids
+    )
+    new = out[0, len(ids) :].tolist()[: result.completion_tokens]
+    assert [t.token for t in result.logprobs] == [tiny_tokenizer.decode([i]) for i in new]
+    rows, expected = _reference_logprobs(tiny_model, ids, new)
+    assert [t.logprob for t in result.logprobs] == pytest.approx(expected, abs=1e-4)
+    for step, token in enumerate(result.logprobs):
+        assert len(token.top) == 3
+        assert token.top[0] == (token.token, pytest.approx(token.logprob, abs=1e-6))  # greedy: the best
+        best = rows[step].topk(3)
+        assert [p for _, p in token.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+        assert [t for t, _ in token.top] == [tiny_tokenizer.decode([i]) for i in best.indices.tolist()]
+
+
+def test_logprobs_are_off_by_default_and_follow_streams_and_stop_strings(engine):
+    plain = engine.generate(MESSAGES, max_tokens=12)
+    assert plain.logprobs is None and all(c.logprobs is None for c in engine.stream(MESSAGES, max_tokens=12))
+    whole = engine.generate(MESSAGES, max_tokens=12, logprobs=0)
+    assert whole.text == plain.text and all(t.top == () for t in whole.logprobs)
+    chunks = list(engine.stream(MESSAGES, max_tokens=12, logprobs=0))
+    assert tuple(t for c in chunks for t in c.logprobs) == whole.logprobs
+    stop = plain.text[3:5]
+    cut = engine.generate(MESSAGES, max_tokens=12, stop=[stop], logprobs=0)
+    assert "".join(t.token for t in cut.logprobs).startswith(cut.text)
+    assert len(cut.logprobs) < len(whole.logprobs)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
+def test_bad_logprobs_raise_input_error(engine, bad):
+    with pytest.raises(InputError, match="logprobs"):
+        engine.generate(MESSAGES, max_tokens=2, logprobs=bad)

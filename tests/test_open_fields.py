@@ -311,3 +311,26 @@ def test_open_model_without_closed_fields(engine):
     result = engine.classify("Anna is 31", Person)
     assert isinstance(result.value, Person) and result.fields["age"].source == "generated"
     assert result.diagnostics.branch_tokens == 0
+
+
+def test_logprobs_cover_the_generated_json_tokens(engine, tiny_model):
+    plain = engine.classify("The app crashes", Small)
+    assert plain.token_logprobs is None
+    result = engine.classify("The app crashes", Small, logprobs=2)
+    assert result.value == plain.value
+    tokens = result.token_logprobs
+    assert tokens and len(tokens) == result.diagnostics.generated_tokens - 1  # the stop token is not one
+    plan = engine.plan(Small)
+    closed = {("topic",): result.value.topic, ("urgent",): result.value.urgent}
+    forced = engine.filler.job(plan, [], closed).forced  # the scored values, written before generation
+    assert json.loads(forced + "".join(t.token for t in tokens)) == result.value.model_dump()
+    for token in tokens:
+        assert token.logprob <= 0 and len(token.top) == 2 and token.top[0][1] >= token.top[1][1]
+        assert token.top[0] == (token.token, pytest.approx(token.logprob, abs=1e-6))  # greedy
+    batch = engine.classify_batch(["The app crashes", "hello"], Small, logprobs=2)
+    assert [t.token for t in batch[0].token_logprobs] == [t.token for t in tokens]
+    assert [t.logprob for t in batch[0].token_logprobs] == pytest.approx(
+        [t.logprob for t in tokens], abs=1e-4
+    )
+    with pytest.raises(InputError, match="logprobs"):
+        engine.classify("hello", Small, logprobs=99)

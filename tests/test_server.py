@@ -136,10 +136,16 @@ def test_n_answers_and_models(client, server):
         ("{not json", 400, None, "invalid_json"),
         ({"model": "tiny"}, 400, "messages", "invalid_value"),
         (
-            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1.0}},
             400,
-            "logprobs",
+            "logit_bias",
             "unsupported_parameter",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+            "invalid_value",
         ),
         (
             {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
@@ -371,3 +377,60 @@ def test_structured_answers_carry_standard_logprobs_equal_to_pcd(client, engine)
     chunks = [c for c in streamed if c.choices and c.choices[0].logprobs is not None]
     assert [e.token for e in chunks[0].choices[0].logprobs.content] == [e.token for e in content]
     assert ask(client, TEXTS[1]).choices[0].logprobs is None  # only when asked
+
+
+def test_plain_chat_logprobs_equal_the_engines_in_answers_and_streams(client, engine):
+    messages = [{"role": "user", "content": "Say hello."}]
+    reference = engine.generate(messages, max_tokens=8, logprobs=3)
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    content = whole.choices[0].logprobs.content
+    assert [e.token for e in content] == [t.token for t in reference.logprobs]
+    assert [e.logprob for e in content] == pytest.approx([t.logprob for t in reference.logprobs], abs=1e-4)
+    for entry, token in zip(content, reference.logprobs, strict=True):
+        assert [(a.token, round(a.logprob, 4)) for a in entry.top_logprobs] == [
+            (text, round(p, 4)) for text, p in token.top
+        ]
+    pieces = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        e for p in pieces if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [t.token for t in reference.logprobs]
+    assert all(e.top_logprobs == [] for e in streamed)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    assert plain.choices[0].logprobs is None
+
+
+def test_generated_open_fields_carry_their_tokens_logprobs(client, engine):
+    schema = {
+        "type": "object",
+        "title": "Note",
+        "properties": {
+            "topic": {"type": "string", "enum": ["billing", "bug", "other"]},
+            "summary": {"type": "string", "maxLength": 12},
+        },
+        "required": ["topic", "summary"],
+        "additionalProperties": False,
+    }
+    form = {"type": "json_schema", "json_schema": {"name": "Note", "schema": schema}}
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": TEXTS[1]}],
+        response_format=form,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    reference = engine.classify(TEXTS[1], schema, logprobs=1)
+    content = response.choices[0].logprobs.content
+    assert json.loads(content[0].token) == reference.value["topic"]  # the scored field first
+    generated = content[1:]
+    assert [e.token for e in generated] == [t.token for t in reference.token_logprobs]
+    assert [e.logprob for e in generated] == pytest.approx(
+        [t.logprob for t in reference.token_logprobs], abs=1e-4
+    )
+    assert "".join(e.token for e in generated).startswith(' "')  # the summary's JSON text follows
