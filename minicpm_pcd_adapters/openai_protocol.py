@@ -52,13 +52,14 @@ class APIError(Exception):
 class RequestLimits:
     max_text_chars: int = 100_000  # all message contents together
     max_n: int = 8
+    max_completion_tokens: int = 4096  # the most a plain chat request may ask for
 
 
 # -- the request body's shape (what Pydantic checks) --------------------------------------------
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no coercion
 
 
 class _TextPart(_Strict):
@@ -67,7 +68,7 @@ class _TextPart(_Strict):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, refusal, tool_calls ... carry no text we use
+    model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal, tool_calls: no text we use
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
@@ -136,7 +137,7 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -249,8 +250,6 @@ def _shape_error(error: ValidationError) -> APIError:
 
 
 def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:
-    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
-        raise APIError(400, "top_logprobs must be from 0 to 20", param="top_logprobs", code="invalid_value")
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     unsupported = {
@@ -263,6 +262,11 @@ def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -
             raise APIError(
                 400, f"{name} is not supported by this server", param=name, code="unsupported_parameter"
             )
+    asked = request.max_completion_tokens or request.max_tokens or 0
+    if asked > limits.max_completion_tokens:
+        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        message = f"{param} must be at most {limits.max_completion_tokens} on this server, got {asked}"
+        raise APIError(400, message, param=param, code="invalid_value")
     if (request.n or 1) > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {request.n}", param="n")
     if isinstance(request.stop, list) and len(request.stop) > 4:

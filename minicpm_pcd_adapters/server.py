@@ -1,7 +1,8 @@
 """`pcd serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one PCDEngine.
 
     POST /v1/chat/completions   structured answers scored by PCD, plain chat, JSON mode, streaming
-    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus)
+    GET  /v1/models, /v1/models/{id}, /v1/calibrations, /health, /metrics (Prometheus)
+    GET  /openapi.json (the request and response bodies, `server_openapi.py`)
 
 What a request asks is read by `openai_protocol.py`; concurrent classify requests with the same
 schema and options are batched into one `classify_batch` by `batching.py` on the model worker
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -51,6 +53,7 @@ from minicpm_pcd_adapters.openai_protocol import (
 from minicpm_pcd_adapters.server_calibrations import Calibrations
 from minicpm_pcd_adapters.server_guard import Guard
 from minicpm_pcd_adapters.server_metrics import ServerMetrics
+from minicpm_pcd_adapters.server_openapi import openapi_document
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from pcd_engine import (
     Generation,
@@ -61,6 +64,7 @@ from pcd_engine import (
     SchemaLimitError,
     StructuredOutputError,
     UnsupportedSchemaError,
+    __version__,
 )
 
 log = logging.getLogger("minicpm_pcd.server")
@@ -105,7 +109,9 @@ class Completions:
     ) -> None:
         self.engine, self.settings, self.batcher, self.metrics = engine, settings, batcher, metrics
         self.calibrations = calibrations
-        self.limits = RequestLimits(max_text_chars=settings.max_text_chars)
+        self.limits = RequestLimits(
+            max_text_chars=settings.max_text_chars, max_completion_tokens=settings.max_completion_tokens
+        )
 
     async def answer(self, request: Request) -> Response:
         started, kind, status = time.perf_counter(), "other", 500
@@ -287,8 +293,9 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
             hook.remove()
             batcher.close()
 
-    app = FastAPI(title="minicpm-pcd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="minicpm-pcd", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
+    app.openapi = functools.cache(lambda: openapi_document(app.routes, settings, __version__))  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:

@@ -19,6 +19,7 @@ class ServerSettings:
     max_body_bytes: int = 2_000_000
     max_text_chars: int = 100_000  # all message contents of a request together
     max_tokens: int = 512  # default answer length of plain chat
+    max_completion_tokens: int = 4096  # the most a request may ask for (max_tokens); more: 400
     cors_origins: tuple[str, ...] = ()  # CORS is off unless origins are given
     calibrations: tuple[str, ...] = ()  # calibration files (`pcd calibrate`), checked at start-up
 
@@ -31,7 +32,7 @@ class ServerSettings:
             "request_timeout_s": self.request_timeout_s > 0,
             "max_body_bytes": self.max_body_bytes >= 1024,
             "max_text_chars": self.max_text_chars >= 1,
-            "max_tokens": self.max_tokens >= 1,
+            "max_tokens": 1 <= self.max_tokens <= self.max_completion_tokens,
         }
         for name, ok in checks.items():
             if not ok:

@@ -31,6 +31,7 @@ from pcd_engine.errors import InputError
 from pcd_engine.results import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy decoding
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that dividing the logits by it overflows: its limit."""
+        return self.temperature < MIN_TEMPERATURE
 
     def config(self) -> dict[str, Any]:
         if self.greedy:

@@ -43,6 +43,8 @@ def add_parser(sub: Any) -> None:
         "of a request together (default %(default)s)")  # fmt: skip
     add("--max-tokens", type=int, default=defaults.max_tokens, help="default answer length of plain chat "
         "(default %(default)s)")  # fmt: skip
+    add("--max-completion-tokens", type=int, default=defaults.max_completion_tokens, help="the most a "
+        "request may ask for as max_tokens; more get 400 (default %(default)s)")  # fmt: skip
     add("--ray", action="store_true", help="run as a Ray Serve deployment (the [ray] extra): Serve's proxy "
         "listens on --host/--port and spreads requests over --replicas copies, each with its own "
         "engine")  # fmt: skip
@@ -78,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_text_chars=args.max_text_chars,
         max_tokens=args.max_tokens,
+        max_completion_tokens=args.max_completion_tokens,
         cors_origins=tuple(args.cors_origin),
         calibrations=tuple(str(Path(f).resolve()) for f in args.calibration),  # for Ray replicas too
     )

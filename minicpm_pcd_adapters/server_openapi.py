@@ -1,0 +1,309 @@
+"""The server's OpenAPI document: the request and response bodies `pcd serve` really reads and writes.
+
+The routes read raw bodies (`openai_protocol.py` checks them, with OpenAI's error messages), so
+FastAPI cannot see their shapes; this module describes them with Pydantic models and writes the
+document served at `/openapi.json`: the Chat Completions request (`ChatCompletionRequest`, the same
+model that checks it), the completion with its `pcd` extension and `logprobs`, the stream, OpenAI's
+error body for every status a route can answer, and the bearer key on every path but `/health`.
+Schemathesis fuzzes the server from this document (tests/test_server_fuzz.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+from minicpm_pcd_adapters.openai_protocol import ChatCompletionRequest, RequestLimits
+from minicpm_pcd_adapters.server_settings import ServerSettings
+
+# -- response bodies ------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, answered for every status other than 2xx."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    queue_depth: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class CalibrationCard(BaseModel):
+    id: str
+    object: Literal["calibration"]
+    schema_: str = Field(alias="schema", description="the fingerprint of the plan it was fitted for")
+    model: str
+    methods: dict[str, str]
+
+
+class CalibrationList(BaseModel):
+    object: Literal["list"]
+    data: list[CalibrationCard]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class Logprobs(BaseModel):
+    """Per scored field its value, then the generated tokens (docs/server.md#standard-logprobs)."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FieldAnswer(BaseModel):
+    """One field of the `pcd` extension: scored fields carry the rest, generated ones only the value."""
+
+    value: Any
+    source: Literal["scored", "generated"]
+    probabilities: dict[str, float] | None = None
+    margin: float | None = None
+    rule: str | None = None
+    rescored: bool | None = None
+    calibration: str | None = None
+    abstained: bool | None = None
+
+
+class CalibrationUsed(BaseModel):
+    name: str
+    methods: dict[str, str]
+
+
+class PCDExtension(BaseModel):
+    """`choice.pcd` of a structured answer (docs/server.md#the-pcd-extension)."""
+
+    fields: dict[str, FieldAnswer]
+    needs_review: bool
+    abstained_fields: list[str]
+    forward_calls: int
+    cached_tokens: int
+    calibration: CalibrationUsed | None
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: Logprobs | None
+    pcd: PCDExtension | None = None  # structured answers only
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class StreamedToolCall(ToolCall):
+    index: int
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[StreamedToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    logprobs: Logprobs | None
+    pcd: PCDExtension | None = None  # a structured answer's, on the chunk with its finish_reason
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event's data (`stream: true`); the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # on the last chunk, with stream_options.include_usage
+    system_fingerprint: None = None
+
+
+MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+    (ChatCompletionRequest, "validation"),
+    (ChatCompletion, "serialization"),
+    (ChatCompletionChunk, "serialization"),
+    (ErrorBody, "serialization"),
+    (Health, "serialization"),
+    (ModelCard, "serialization"),
+    (ModelList, "serialization"),
+    (CalibrationList, "serialization"),
+]
+
+ERRORS = {
+    400: "the request cannot be answered: OpenAI's error body names the parameter and why",
+    401: "missing or incorrect API key",
+    404: "no such model",
+    413: "the body is over the server's limit",
+    499: "the client closed the connection before the answer",
+    500: "the model's output failed validation twice, or an internal error",
+    503: "the queue is full: retry after the Retry-After header",
+    504: "not answered within the request timeout",
+}
+
+
+STREAM_EVENT = {  # Open API 3.1: the schema of each event
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "anyOf": [
+                {"const": "[DONE]"},
+                {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {"$ref": "#/components/schemas/ChatCompletionChunk"},
+                },
+            ]
+        }
+    },
+}
+
+
+def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the app's `routes`, with the real bodies filled in."""
+    document = get_openapi(
+        title="minicpm-pcd",
+        version=version,
+        summary="OpenAI-compatible Chat Completions with per-field probabilities (PCD)",
+        routes=routes,
+    )
+    _, top = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
+    schemas = top["$defs"]
+    request = schemas["ChatCompletionRequest"]["properties"]
+    request["model"]["enum"] = [settings.model_name]  # any other is answered 404
+    limits = RequestLimits(max_completion_tokens=settings.max_completion_tokens)
+    for name in ("max_tokens", "max_completion_tokens"):
+        _bound(request[name], "integer", "maximum", limits.max_completion_tokens)
+    _bound(request["n"], "integer", "maximum", limits.max_n)
+    _bound(request["stop"], "array", "maxItems", 4)
+    document.setdefault("components", {})["schemas"] = schemas
+    paths = document["paths"]
+    body_of = {
+        "/health": "Health",
+        "/v1/models": "ModelList",
+        "/v1/models/{model_id}": "ModelCard",
+        "/v1/calibrations": "CalibrationList",
+    }
+    for path, name in body_of.items():
+        _answers(paths[path]["get"], {200: _json(name)}, [401] if path != "/health" else [])
+    paths["/v1/models/{model_id}"]["get"]["responses"]["404"] = _error(404)
+    paths["/metrics"]["get"]["responses"] = {
+        "200": {
+            "description": "Prometheus text format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        },
+        "401": _error(401),
+    }
+    completions = paths["/v1/chat/completions"]["post"]
+    completions["requestBody"] = {
+        "required": True,
+        "content": {"application/json": _ref("ChatCompletionRequest")},
+    }
+    answer = {
+        "description": "the completion; with `stream: true`, server-sent chat.completion.chunk events",
+        "content": {
+            "application/json": _ref("ChatCompletion"),
+            "text/event-stream": {"schema": STREAM_EVENT},
+        },
+    }
+    _answers(completions, {200: answer}, [400, 401, 404, 413, 499, 500, 503, 504])
+    if settings.api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+        paths["/health"]["get"]["security"] = []
+    return document
+
+
+def _bound(schema: dict[str, Any], kind: str, keyword: str, value: int) -> None:
+    """Set `keyword` on the member of an optional property's `anyOf` that has type `kind`."""
+    for member in schema.get("anyOf", [schema]):
+        if member.get("type") == kind:
+            member[keyword] = value
+
+
+def _answers(operation: dict[str, Any], ok: dict[int, Any], errors: list[int]) -> None:
+    operation["responses"] = {str(status): body for status, body in ok.items()}
+    operation["responses"].update({str(status): _error(status) for status in errors})
+
+
+def _json(name: str) -> dict[str, Any]:
+    return {"description": name, "content": {"application/json": _ref(name)}}
+
+
+def _error(status: int) -> dict[str, Any]:
+    return {"description": ERRORS[status], "content": {"application/json": _ref("ErrorBody")}}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"schema": {"$ref": f"#/components/schemas/{name}"}}
