@@ -12,7 +12,14 @@ answers equal to the in-process engine's, and failures (asserted 0: every reques
 With `--soak-minutes M`, 8 clients then keep sending for M minutes while the server's RSS is
 sampled every 10 s (the curve is printed and, with --plot, drawn).
 
+With `--calibrate N`, a calibration is fitted in process on N labeled rows that are not among the
+requests (`--method`, default head), saved, and every configuration runs twice in the same run:
+with a server that has no calibration and with one started with `--calibration FILE`. The
+calibrated rows compare the HTTP answers and probabilities with in-process `classify(...,
+calibration=...)` and give both paths' field accuracy against the labels.
+
     python benchmarks/server.py --requests 96 --json out/server.json
+    python benchmarks/server.py --requests 48 --clients 1 8 --calibrate 100 --json out/server-cal.json
     python benchmarks/server.py --requests 0 --soak-minutes 10 --plot docs/img/server_rss.png
 """
 
@@ -41,7 +48,9 @@ from minicpm_pcd_adapters import load_smollm2
 SET = "bitext_customer_support"
 
 
-def start_server(window_ms: float, max_batch: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    window_ms: float, max_batch: int, calibration: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -60,6 +69,7 @@ def start_server(window_ms: float, max_batch: int) -> tuple[subprocess.Popen[byt
         str(max_batch),
         "--max-queue",
         "1024",
+        *(["--calibration", calibration] if calibration else []),
     ]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -127,24 +137,36 @@ async def run_clients(url: str, schema: dict[str, Any], texts: list[str], client
 
 
 def interleaved(
-    url: str, engine: Any, schema: dict[str, Any], texts: list[str]
-) -> tuple[list[Any], list[float], list[float]]:
-    """Per text, in-process `classify` then the same request over HTTP (one client): the in-process
-    answers and both latencies, measured side by side so that machine noise hits both alike."""
-    answers, local, remote = [], [], []
+    url: str, engine: Any, schema: dict[str, Any], texts: list[str], calibration: Any = None
+) -> dict[str, Any]:
+    """Per text, in-process `classify` then the same request over HTTP (one client), measured side
+    by side so that machine noise hits both alike: both answers, the largest difference between
+    their probabilities, and both latencies."""
+    out: dict[str, Any] = {"local": [], "remote": [], "local_ms": [], "remote_ms": [], "max_dp": 0.0}
     with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
         for text in texts:
             started = time.perf_counter()
-            answers.append(engine.classify(text, schema).value)
-            local.append(time.perf_counter() - started)
+            result = engine.classify(text, schema, calibration=calibration)
+            out["local_ms"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            client.chat.completions.create(
+            response = client.chat.completions.create(
                 model="smollm2",
                 messages=[{"role": "user", "content": text}],
                 response_format=request_format(schema),
             )
-            remote.append(time.perf_counter() - started)
-    return answers, local, remote
+            out["remote_ms"].append(time.perf_counter() - started)
+            out["local"].append(result.value)
+            out["remote"].append(json.loads(response.choices[0].message.content))
+            served = response.choices[0].pcd["fields"]  # type: ignore[attr-defined]
+            for path, f in result.fields.items():
+                for value, p in f.to_json().get("probabilities", {}).items():
+                    out["max_dp"] = max(out["max_dp"], abs(served[path]["probabilities"][value] - p))
+    return out
+
+
+def field_accuracy(answers: list[dict[str, Any]], labels: list[dict[str, Any]]) -> float:
+    hits = [a[k] == v for a, label in zip(answers, labels, strict=True) for k, v in label.items()]
+    return sum(hits) / len(hits)
 
 
 def summary(label: str, elapsed: float, latencies: list[float], n: int, **extra: Any) -> dict[str, Any]:
@@ -170,78 +192,128 @@ def main() -> None:
     parser.add_argument("--soak-minutes", type=float, default=0.0)
     parser.add_argument("--plot", default=None, help="PNG of the soak's RSS curve")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--calibrate", type=int, default=0, help="labeled rows to fit a calibration on "
+                        "(not among the requests); 0: no calibrated run")  # fmt: skip
+    parser.add_argument("--method", default="head", help="the calibration's method (default head)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     model, rows = load_set(SET)
     schema = model.model_json_schema()
     texts = [row["text"] for row in rows[: args.requests]]
+    labels = [row["labels"] for row in rows[: args.requests]]
     report: dict[str, Any] = {"set": SET, "window_ms": args.window_ms, "rows": []}
-    server, url = start_server(args.window_ms, args.max_batch)
-    try:
-        if texts:
-            engine = load_smollm2()
-            engine.classify(texts[0], schema)  # warm: the schema's head is cached in both processes
-            asyncio.run(run_clients(url, schema, texts[:1], 1))
-            reference, local, remote = interleaved(url, engine, schema, texts)
-            sequential = summary("in-process classify, one by one", sum(local), local, len(texts))
-            report["http_overhead"] = statistics.median(r / t for r, t in zip(remote, local, strict=True)) - 1
-            started = time.perf_counter()
-            batched = engine.classify_batch(texts, schema)
-            elapsed = time.perf_counter() - started
-            same = sum(r.value == ref for r, ref in zip(batched, reference, strict=True))
-            report["rows"] += [
-                sequential,
-                summary("in-process classify_batch, all at once", elapsed, [elapsed], len(texts), same=same),
-            ]
-            del engine
-            for clients in args.clients:
-                before = batch_stats(url)
-                run = asyncio.run(run_clients(url, schema, texts, clients))
-                after = batch_stats(url)
-                batches, requests = after[0] - before[0], after[1] - before[1]
-                assert not run["failures"], run["failures"][:5]
-                assert sorted(run["answers"]) == list(range(len(texts))), "a request was lost"
-                same = sum(run["answers"][i] == reference[i] for i in range(len(texts)))
-                report["rows"].append(
-                    summary(
-                        f"HTTP, {clients} client(s)",
-                        run["elapsed"],
-                        run["latencies"],
-                        len(texts),
-                        same=same,
-                        mean_batch=requests / max(batches, 1),
-                        failures=0,
-                    )
+    calibrations: list[tuple[str, Any]] = [("", None)]
+    if args.calibrate:
+        engine = load_smollm2()
+        fit_rows = rows[-args.calibrate :]
+        assert args.requests + args.calibrate <= len(rows), "the labeled rows would overlap the requests"
+        calibration = engine.calibrate(
+            schema, [r["text"] for r in fit_rows], [r["labels"] for r in fit_rows], method=args.method
+        )
+        path = Path("out/server-calibration.json").resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        calibration.save(path)
+        calibrations.append((str(path), calibration))
+        report["calibration"] = {
+            "labels": args.calibrate,
+            "methods": {path: f.method for path, f in calibration.fields.items()},
+        }
+        del engine
+    for cal_path, calibration in calibrations:
+        suffix = " (calibrated)" if calibration is not None else ""
+        server, url = start_server(args.window_ms, args.max_batch, cal_path or None)
+        try:
+            if texts:
+                run_configurations(report, url, schema, texts, labels, args.clients, calibration, suffix)
+            if args.soak_minutes and calibration is None:
+                report["soak"] = soak(
+                    url, server.pid, schema, [row["text"] for row in rows], args.soak_minutes
                 )
-            print_rows(report["rows"], len(texts), report["http_overhead"])
-        if args.soak_minutes:
-            report["soak"] = soak(url, server.pid, schema, [row["text"] for row in rows], args.soak_minutes)
-            if args.plot:
-                plot_rss(report["soak"], args.plot)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+                if args.plot:
+                    plot_rss(report["soak"], args.plot)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    if texts:
+        print_rows(report["rows"], len(texts), report)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
 
 
-def print_rows(rows: list[dict[str, Any]], n: int, overhead: float) -> None:
-    one_at_a_time = next(r for r in rows if r["label"] == "HTTP, 1 client(s)")
+def run_configurations(
+    report: dict[str, Any],
+    url: str,
+    schema: dict[str, Any],
+    texts: list[str],
+    labels: list[dict[str, Any]],
+    client_counts: list[int],
+    calibration: Any,
+    suffix: str,
+) -> None:
+    """The in-process rows, then one HTTP row per client count, against one running server."""
+    engine = load_smollm2()
+    engine.classify(texts[0], schema, calibration=calibration)  # warm: the schema's head in both processes
+    asyncio.run(run_clients(url, schema, texts[:1], 1))
+    side = interleaved(url, engine, schema, texts, calibration)
+    local, remote, reference = side["local_ms"], side["remote_ms"], side["local"]
+    ratios = [r / t for r, t in zip(remote, local, strict=True)]
+    report["http_overhead" + suffix.strip().replace(" ", "_")] = statistics.median(ratios) - 1
+    report["accuracy" + suffix] = {
+        "in_process": field_accuracy(side["local"], labels),
+        "http": field_accuracy(side["remote"], labels),
+        "same_answers": sum(a == b for a, b in zip(side["local"], side["remote"], strict=True)),
+        "max_probability_difference": side["max_dp"],
+    }
+    started = time.perf_counter()
+    batched = engine.classify_batch(texts, schema, calibration=calibration)
+    elapsed = time.perf_counter() - started
+    same = sum(r.value == ref for r, ref in zip(batched, reference, strict=True))
+    report["rows"] += [
+        summary("in-process classify, one by one" + suffix, sum(local), local, len(texts)),
+        summary("in-process classify_batch" + suffix, elapsed, [elapsed], len(texts), same=same),
+    ]
+    del engine
+    for clients in client_counts:
+        before = batch_stats(url)
+        run = asyncio.run(run_clients(url, schema, texts, clients))
+        after = batch_stats(url)
+        batches, requests = after[0] - before[0], after[1] - before[1]
+        assert not run["failures"], run["failures"][:5]
+        assert sorted(run["answers"]) == list(range(len(texts))), "a request was lost"
+        same = sum(run["answers"][i] == reference[i] for i in range(len(texts)))
+        report["rows"].append(
+            summary(
+                f"HTTP, {clients} client(s)" + suffix,
+                run["elapsed"],
+                run["latencies"],
+                len(texts),
+                same=same,
+                mean_batch=requests / max(batches, 1),
+                failures=0,
+            )
+        )
+
+
+def print_rows(rows: list[dict[str, Any]], n: int, report: dict[str, Any]) -> None:
     print(f"\n{n} bitext requests, SmolLM2-135M, CPU, FP32")
-    print(f"{'':42} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'batch':>6} {'same':>5} {'vs 1 client':>11}")
+    print(f"{'':55} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'batch':>6} {'same':>5} {'vs 1 client':>11}")
     for r in rows:
         batch = f"{r['mean_batch']:.1f}" if "mean_batch" in r else ""
         same = f"{r['same']}" if "same" in r else ""
-        ratio = r["throughput"] / one_at_a_time["throughput"]
+        suffix = " (calibrated)" if r["label"].endswith("(calibrated)") else ""
+        one = next(x for x in rows if x["label"] == "HTTP, 1 client(s)" + suffix)
+        ratio = r["throughput"] / one["throughput"]
         print(
-            f"{r['label']:42} {r['throughput']:7.2f} {r['p50_ms']:8.0f} {r['p95_ms']:8.0f} "
+            f"{r['label']:55} {r['throughput']:7.2f} {r['p50_ms']:8.0f} {r['p95_ms']:8.0f} "
             f"{batch:>6} {same:>5} {ratio:10.2f}x"
         )
-    print(
-        f"HTTP overhead at one client (median per-text latency ratio, side by side): {100 * overhead:+.1f}%"
-    )
+    for key, value in report.items():
+        if key.startswith("http_overhead"):
+            print(f"{key} at one client (median per-text latency ratio, side by side): {100 * value:+.1f}%")
+        if key.startswith("accuracy"):
+            print(f"{key}: {json.dumps(value)}")
 
 
 def soak(url: str, pid: int, schema: dict[str, Any], texts: list[str], minutes: float) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Each candidate is tokenized together with the branch text (`'{"x": ' + 'true}'`)
 merges across that boundary (`' true'`). The tokens all candidates share form the *chain*; what
 follows is each candidate's *continuation*. Continuations that share first tokens share trie nodes, so
 each token is computed once. Only tokens that predict another token are fed to the model: the chain
-and the inner trie nodes; the last token of every continuation is only ever a target.
+and the inner trie nodes; the last token of every continuation is only ever a target. With
+`until_unique`, a continuation ends at the token that sets it apart from the others: for 77 intents
+the tree feeds 52 tokens instead of 387.
 
 >>> tree = build_tree(lambda s: [ord(c) for c in s], '{"x": ', ['"ab"}', '"ac"}'])
 >>> len(tree.chain), [len(p) for p in tree.paths]
@@ -71,7 +73,12 @@ class TokenizationError(RuntimeError):
     """Candidates whose joint tokenizations are not prefix-free (should not happen with terminators)."""
 
 
-def build_tree(encode: Encode, branch: str, candidates: Sequence[str]) -> TokenTree:
+def build_tree(
+    encode: Encode, branch: str, candidates: Sequence[str], until_unique: bool = False
+) -> TokenTree:
+    """The tree of `branch` followed by each candidate. `until_unique`: each candidate's path stops
+    at the token that sets it apart from every other candidate (its later tokens are neither fed
+    nor scored; a rule that gives a node with one child probability 1 reads the same scores)."""
     if len(candidates) < 2:
         raise ValueError("a token tree needs at least two candidates")
     sequences = [encode(branch + c) for c in candidates]
@@ -83,6 +90,8 @@ def build_tree(encode: Encode, branch: str, candidates: Sequence[str]) -> TokenT
     for i, c in enumerate(continuations):
         if not c or any(o[: len(c)] == c for j, o in enumerate(continuations) if j != i):
             raise TokenizationError(f"candidate {candidates[i]!r} tokenizes as a prefix of another")
+    if until_unique:
+        continuations = [c[: _unique_length(c, continuations)] for c in continuations]
 
     tokens, parents, depths = list(chain), [i - 1 for i in range(shared)], list(range(shared))
     node_of: dict[tuple[int, ...], int] = {(): shared - 1}
@@ -100,6 +109,15 @@ def build_tree(encode: Encode, branch: str, candidates: Sequence[str]) -> TokenT
     return TokenTree(
         tuple(tokens), tuple(parents), tuple(depths), tuple(paths), tuple(chain), _ancestors(parents), vocab
     )
+
+
+def _unique_length(continuation: Sequence[int], continuations: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens of `continuation` no other continuation starts with."""
+    for k in range(1, len(continuation) + 1):
+        head = tuple(continuation[:k])
+        if sum(tuple(o[:k]) == head for o in continuations) == 1:
+            return k
+    return len(continuation)  # unreachable: continuations are distinct and prefix-free
 
 
 def _common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:

@@ -22,7 +22,7 @@ from pcd_engine.errors import StructuredOutputError
 from pcd_engine.plan import DecisionPlan, SchemaPlan
 from pcd_engine.results import FieldResult
 from pcd_engine.schema import JSONScalar
-from pcd_engine.scoring import Rule
+from pcd_engine.scoring import Rule, layout
 
 
 def decide(
@@ -33,7 +33,7 @@ def decide(
 ) -> dict[str, FieldResult]:
     """Every decision's FieldResult, keyed by path in plan order. `logprobs` (and `priors`) hold one
     entry per tree; `rule` replaces each decision's own rule where both use the same layout (codes or
-    not)."""
+    not, cut at the distinguishing token or not)."""
     no_priors: list[torch.Tensor | None] = [None] * len(logprobs)
     per_tree = iter(zip(logprobs, priors or no_priors, strict=True))
     fields: dict[str, FieldResult] = {}
@@ -41,7 +41,7 @@ def decide(
         if dp.tree is None:
             fields[dp.decision.path] = fixed_field(dp)
             continue
-        used = dp.rule if rule is None or dp.rule.uses_codes != rule.uses_codes else rule
+        used = dp.rule if rule is None or layout(dp.rule) != layout(rule) else rule
         scores, prior = next(per_tree)
         fields[dp.decision.path] = decide_field(dp, scores, prior, used)
     return fields

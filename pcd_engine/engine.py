@@ -43,7 +43,7 @@ from pcd_engine.results import PCDResult
 from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
-from pcd_engine.scoring import Rule, get_rule
+from pcd_engine.scoring import Rule, get_rule, layout
 
 T = TypeVar("T", bound=BaseModel)
 DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
@@ -318,8 +318,11 @@ class PCDEngine(LearningMixin, ChatMixin):
     ) -> dict[str, PCDResult[T]]:
         """Results of several rules that share one layout, all from the same packed pass."""
         chosen = [get_rule(r) for r in rules]
-        if len({r.uses_codes for r in chosen}) > 1:
-            raise ValueError("rules with and without codes use different prompts; compare them separately")
+        if len({layout(r) for r in chosen}) > 1:
+            raise ValueError(
+                "these rules read different trees (codes or not, cut at the distinguishing token or "
+                "not); compare them separately"
+            )
         started = time.perf_counter()
         plan = self.plan(schema, rule=chosen[0], allow_generation=False)
         shared = Request.render(self.prompt, plan, text, self.limits, None, self.allow_empty_text)

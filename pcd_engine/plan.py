@@ -140,10 +140,12 @@ def build_plan(
                 plans.append(DecisionPlan(decision, coded[0], rule))
                 continue
         texts = [candidate_text(c.json, depth, wording) for c in decision.candidates]
-        tree = build_tree(prompt.encode_text, branch_text(decision.json_keys, wording), texts)
+        used = OptionRule("sum") if rule.uses_codes else rule  # a field without codes
+        tree = build_tree(
+            prompt.encode_text, branch_text(decision.json_keys, wording), texts, used.until_unique
+        )
         _check_lengths(tree, decision, limits)
-        fallback = OptionRule("sum") if rule.uses_codes else rule
-        plans.append(DecisionPlan(decision, tree, fallback))
+        plans.append(DecisionPlan(decision, tree, used))
     schema, described = None, {}
     if compiled.open_fields:
         schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
@@ -178,7 +180,7 @@ def _code_tree(
     if codes is None:
         return None
     texts = [candidate_text(code, depth, wording) for code in codes]
-    tree = build_tree(prompt.encode_text, branch_text(decision.json_keys, wording), texts)
+    tree = build_tree(prompt.encode_text, branch_text(decision.json_keys, wording), texts, until_unique=True)
     firsts = [path[0][1] for path in tree.paths]
     return (tree, codes) if len(set(firsts)) == len(firsts) else None
 

@@ -17,7 +17,9 @@ from pcd_engine import (
     SchemaLimitError,
     UnsupportedSchemaError,
 )
-from pcd_engine.scoring import GreedyRule, OptionRule
+from pcd_engine.runner import PassStats
+from pcd_engine.scoring import ContextualCalibration, GreedyRule, OptionRule
+from tests.helpers import TEXTS, Wide
 
 
 class Ticket(BaseModel):
@@ -63,14 +65,54 @@ def test_classify_returns_a_validated_instance_and_full_probabilities(engine):
 
 
 def test_rules_share_one_pass_and_differ_where_they_should(engine):
-    results = engine.compare_rules("the app crashes", Ticket, ["option", "option-mean", "greedy"])
-    assert list(results) == ["option", "option-mean", "greedy"]
-    option, mean, greedy = (results[k].fields["topic"] for k in results)
+    results = engine.compare_rules("the app crashes", Ticket, ["option", "option-mean", "option-cc"])
+    assert list(results) == ["option", "option-mean", "option-cc"]
+    option, mean, _ = (results[k].fields["topic"] for k in results)
     n_tokens = {v: option.log_scores[v] / mean.log_scores[v] for v in option.log_scores}
     assert all(n >= 1 - 1e-6 and abs(n - round(n)) < 1e-4 for n in n_tokens.values())
+    (greedy,) = (
+        r.fields["topic"] for r in engine.compare_rules("the app crashes", Ticket, ["greedy"]).values()
+    )
     assert greedy.rule == "greedy" and math.isclose(sum(greedy.probabilities.values()), 1.0)
     single = engine.classify("the app crashes", Ticket, rule="greedy")
     assert single.fields["topic"].value == greedy.value
+    with pytest.raises(ValueError, match="different trees"):  # greedy reads trees cut short
+        engine.compare_rules("the app crashes", Ticket, ["option", "greedy"])
+
+
+@pytest.mark.parametrize("rule", [GreedyRule(), ContextualCalibration(GreedyRule())])
+def test_greedy_on_trees_cut_at_the_distinguishing_token_is_exact(engine, rule):
+    whole = GreedyRule(until_unique=False)
+    whole = ContextualCalibration(whole) if rule.corrects_prior else whole
+    assert engine.plan(Wide, rule=rule).branch_tokens < engine.plan(Wide, rule=whole).branch_tokens
+    for text in TEXTS:
+        cut, full = engine.classify(text, Wide, rule=rule), engine.classify(text, Wide, rule=whole)
+        assert cut.value == full.value
+        for path, field in full.fields.items():
+            for value, p in field.probabilities.items():
+                assert cut.fields[path].probabilities[value] == pytest.approx(p, abs=1e-5)
+
+
+def test_option_unique_sums_the_tokens_up_to_the_distinguishing_one(engine):
+    from pcd_engine.scoring import token_logprobs
+
+    text = "refund me, the app crashes"
+    plan = engine.plan(Wide, rule="option")
+    prompt = engine.prompt.with_head(plan.head, text).ids
+    (full,) = engine.scorer.score(plan, [prompt], [PassStats()], normalized=[True] * len(plan.trees))
+    short = engine.classify(text, Wide, rule="option-unique")
+    cut = engine.plan(Wide, rule="option-unique")
+    lengths = [[len(path) for path in tree.paths] for tree in cut.trees]
+    assert any(
+        n < len(p)
+        for tree, ns in zip(plan.trees, lengths, strict=True)
+        for p, n in zip(tree.paths, ns, strict=True)
+    )
+    for dp, tree, logprobs, ns in zip(plan.scored_decisions, plan.trees, full, lengths, strict=True):
+        per_token = token_logprobs(tree, logprobs)
+        field = short.fields[dp.decision.path]
+        for candidate, tokens, n in zip(dp.decision.candidates, per_token, ns, strict=True):
+            assert field.log_scores[candidate.value] == pytest.approx(float(tokens[:n].sum()), abs=1e-4)
 
 
 def test_code_rule_lists_codes_and_falls_back_where_codes_do_not_apply(engine, tiny_tokenizer):

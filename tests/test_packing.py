@@ -11,24 +11,40 @@ from pcd_engine.runner import PassStats
 from tests.helpers import TEXT, Wide, packed_and_separate, tiny_llama
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize(("budget", "cache"), [(4096, False), (4096, True), (40, False), (40, True)])
-def test_packed_scores_equal_separate_forward_passes(tiny_tokenizer, attn, budget, cache):
-    model = tiny_llama(len(tiny_tokenizer), attn=attn)
-    engine = PCDEngine(model, tiny_tokenizer, max_tokens_per_forward=budget, prefix_cache=cache)
+def assert_packed_equals_separate(engine: PCDEngine, longest: int = 3) -> None:
     for _ in range(2):  # a cold and, with the cache, a warm call
         pairs = packed_and_separate(engine, Wide, TEXT)
         assert len(pairs) > 30
         worst = max(float((got - want).abs().max()) for got, want in pairs)
         assert worst < 1e-4
-        assert any(len(got) > 2 for got, _ in pairs)  # multi-token continuations were checked
+        assert any(len(got) >= longest for got, _ in pairs)  # multi-token continuations were checked
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("budget", "cache"), [(4096, False), (4096, True), (40, False), (40, True)])
+def test_packed_scores_equal_separate_forward_passes(tiny_tokenizer, attn, budget, cache):
+    model = tiny_llama(len(tiny_tokenizer), attn=attn)
+    engine = PCDEngine(model, tiny_tokenizer, max_tokens_per_forward=budget, prefix_cache=cache)
+    assert_packed_equals_separate(engine)
+
+
+@pytest.mark.parametrize("rule", ["option-unique-cc", "greedy"])
+@pytest.mark.parametrize(("budget", "cache"), [(4096, True), (40, False)])
+def test_trees_cut_at_the_distinguishing_token_equal_separate_passes(
+    tiny_tokenizer, tiny_model, rule, budget, cache
+):
+    engine = PCDEngine(
+        tiny_model, tiny_tokenizer, rule=rule, max_tokens_per_forward=budget, prefix_cache=cache
+    )
+    assert engine.plan(Wide).branch_tokens < PCDEngine(tiny_model, tiny_tokenizer).plan(Wide).branch_tokens
+    assert_packed_equals_separate(engine, longest=2)
 
 
 def test_microbatches_and_cache_really_change_the_calls(tiny_tokenizer, tiny_model):
     text = "refund me"
     one = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy", prefix_cache=False).classify(text, Wide)
     split = PCDEngine(
-        tiny_model, tiny_tokenizer, rule="greedy", max_tokens_per_forward=40, prefix_cache=False
+        tiny_model, tiny_tokenizer, rule="greedy", max_tokens_per_forward=16, prefix_cache=False
     )
     many = split.classify(text, Wide)
     assert one.diagnostics.forward_calls == 1
