@@ -1,14 +1,16 @@
 """Issue-2 benchmark: our rules against AR JSON baselines on the same model, prompt and texts.
 
 One process, SmolLM2-135M-Instruct on CPU, FP32. For each data set:
-  - ours, every rule (the engine as shipped: prefix cache on; the first call per schema is cold)
+  - ours, every rule (the engine as shipped: prefix cache on; the first call per schema is cold);
+    rules that read the same trees come from one packed pass
+  - with `--llamacpp` (the `[bench]` extra): llama.cpp grammar JSON on the same GGUF file and prompt
   - greedy AR JSON with `model.generate` (same prompt; parsed and validated afterwards)
   - xgrammar-constrained AR JSON (same prompt; grammar from the Pydantic JSON schema)
   - floor: one bare forward pass over the same prompt, no cache
 Prints median per-call latency, the median of per-text latency ratios (baseline / ours), field
 accuracy, exact-object accuracy, valid-object rate and forward calls per request.
 
-    python benchmarks/accuracy_latency.py --limit 100
+    python benchmarks/accuracy_latency.py --limit 100 --llamacpp
 """
 
 from __future__ import annotations
@@ -174,17 +176,24 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write all figures here")
     parser.add_argument("--ours-only", action="store_true", help="skip the floor and AR baselines")
     parser.add_argument("--no-code", action="store_true", help="skip the code rule (its own prompt)")
+    parser.add_argument("--llamacpp", action="store_true", help="add llama.cpp JSON (the [bench] extra)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = load_smollm2()
+    llama = None
+    if args.llamacpp:
+        from benchmarks.llamacpp import load_llama
+
+        llama = load_llama(args.threads)
     report: dict[str, Any] = {}
     for name in args.sets:
         schema, rows = load_set(name, args.limit)
         greedy_rows = rows[: args.ar_greedy_limit or len(rows)]
         results: dict[str, Any] = {}
-        shared_layout = ["option", "option-mean", "greedy", "option-cc", "greedy-cc"]
-        results |= measure("", run_ours(engine, schema, shared_layout), rows, name)
+        for layout in (["option", "option-mean", "option-cc"], ["option-unique", "option-unique-cc"]):
+            results |= measure("", run_ours(engine, schema, layout), rows, name)
+        results |= measure("", run_ours(engine, schema, ["greedy", "greedy-cc"]), rows, name)
         if not args.no_code:
             results |= measure("", run_ours(engine, schema, ["code"]), rows, name)
         if args.ours_only:
@@ -192,6 +201,12 @@ def main() -> None:
             print_table(name, results)
             continue
         results |= measure("floor (bare prefill)", run_floor(engine, schema), rows, name)
+        if llama is not None:
+            from benchmarks.llamacpp import SYSTEM, run_llamacpp, same_prompt, warm
+
+            assert all(same_prompt(engine, schema, r["text"]) for r in rows), "llama.cpp's messages differ"
+            warm(llama, engine, schema)
+            results |= measure(SYSTEM, run_llamacpp(llama, engine, schema, SETS[name]), rows, name)
         grammar = xgrammar_grammar(engine, schema)
         results |= measure("AR JSON xgrammar", run_ar(engine, schema, SETS[name], grammar), rows, name)
         results |= measure("AR JSON greedy", run_ar(engine, schema, SETS[name]), greedy_rows, name)

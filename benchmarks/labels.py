@@ -45,7 +45,7 @@ METHODS = ("none", "temperature", "bias", "batch", "head", "auto")
 def scored_rows(engine: PCDEngine, name: str, schema: Any, rows: list[dict[str, Any]], cache: Path) -> list:
     """Per row: (fields, hidden states), from the cache file when it holds this set."""
     plan = engine.plan(schema)
-    path = cache / f"{name}.pt"
+    path = cache / f"{name}-{engine.rule.name}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=False)
         if saved["fingerprint"] == plan.fingerprint:
@@ -141,7 +141,7 @@ def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str,
     pool = list(range(len(rows) - args.test))
     minilm = MiniLM([r["text"] for r in rows]) if args.minilm else None
     out: dict[str, Any] = {"test_rows": len(test_idx), "pool": len(pool), "curves": {}}
-    for count in COUNTS:
+    for count in args.counts:
         draws = 1 if count in (0, len(pool)) else args.seeds
         rows_out: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         refs: dict[str, list[float]] = {"majority": [], "minilm": []}
@@ -169,7 +169,8 @@ def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str,
         )
         refs_line = "  ".join(f"{k} {v:.3f}" for k, v in curve.items() if not isinstance(v, dict))
         print(f"{name} {count:>4} labels: {line}  | {refs_line}", flush=True)
-    out["suggested"] = suggested_vs_random(engine, plan, scored, truth, pool, test_idx, args.seeds)
+    if args.suggested:
+        out["suggested"] = suggested_vs_random(engine, plan, scored, truth, pool, test_idx, args.seeds)
     if args.xgrammar:
         out["xgrammar"] = xgrammar_vs_ours(
             engine, name, schema, rows, plan, scored, truth, pool, test_idx, args
@@ -270,10 +271,13 @@ def main() -> None:
     parser.add_argument("--cache", default="out/labels-cache", help="folder for the scored rows")
     parser.add_argument("--xgrammar", type=int, default=0, help="xgrammar AR JSON on the first N test rows")
     parser.add_argument("--no-minilm", dest="minilm", action="store_false")
+    parser.add_argument("--no-suggested", dest="suggested", action="store_false")
+    parser.add_argument("--counts", type=int, nargs="+", default=list(COUNTS), help="labeled rows per fit")
+    parser.add_argument("--rule", default=None, help="the engine's rule (default: the engine's default)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None)
     args = parser.parse_args()
-    engine = load_smollm2()
+    engine = load_smollm2(**({"rule": args.rule} if args.rule else {}))
     results = {}
     for name in args.sets:
         results[name] = run_set(engine, name, args)

@@ -10,7 +10,6 @@ longest common prefix, so a warm call computes the text and the answer only, as 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -81,4 +80,8 @@ def warm(llama: Any, engine: PCDEngine, schema: type[BaseModel]) -> None:
 def describe(llama: Any) -> dict[str, Any]:
     import llama_cpp
 
-    return {"llama_cpp_python": llama_cpp.__version__, "threads": llama.n_threads, "gguf": json.dumps(True)}
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "threads": llama.n_threads,
+        "gguf": str(smollm2_gguf_path()),
+    }

@@ -1,10 +1,13 @@
 """Issue-6 benchmark (CPU): per-call latency cold and warm against AR JSON and the floor, batched
-throughput, memory of a 32-field x 8-option request, and bf16 decisions against FP32.
+throughput, memory of a 32-field x 8-option request, and bf16 decisions against FP32; where a warm
+request's time goes (text tokens, branch tokens, LM-head rows, the rest in Python).
 
 One process, SmolLM2-135M-Instruct (FP32 unless said), the same prompt token ids for every system.
-Ratios are computed text by text and their median is printed.
+Ratios are computed text by text and their median is printed. With `--llamacpp` (the `[bench]`
+extra), llama.cpp's grammar-constrained JSON on the same GGUF file joins the latency table.
 
-    python benchmarks/performance.py --limit 12 --batch-texts 64
+    python benchmarks/performance.py --limit 12 --batch-texts 64 --llamacpp
+    python benchmarks/performance.py --skip throughput memory precision latency --limit 16  # breakdown
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import copy
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -50,17 +54,25 @@ def run_engine(engine: PCDEngine, schema: type[BaseModel], rule: str | None = No
     return call
 
 
-def latency(base: PCDEngine, name: str, limit: int, greedy_limit: int) -> dict[str, Any]:
+def latency(base: PCDEngine, name: str, limit: int, greedy_limit: int, llama: Any = None) -> dict[str, Any]:
     schema, rows = load_set(name, limit)
     cold = PCDEngine(base.model, base.tokenizer, prefix_cache=False)
+    rules = ["option-cc", "option-unique-cc", "greedy-cc"]
     for engine in (base, cold):  # compile the plan and its content-free prior outside the timing
-        engine.classify("warm-up", schema)
-        engine.classify("warm-up", schema, rule="greedy-cc")
-    systems = {
-        "ours warm (option-cc)": run_engine(base, schema),
-        "ours warm (greedy-cc)": run_engine(base, schema, "greedy-cc"),
+        for rule in rules:
+            engine.classify("warm-up", schema, rule=rule)
+    systems = {f"ours warm ({rule})": run_engine(base, schema, rule) for rule in rules}
+    systems |= {
         "ours cold (option-cc, no prefix cache)": run_engine(cold, schema),
         "floor (bare forward, same prompt)": run_floor(base, schema),
+    }
+    if llama is not None:
+        from benchmarks.llamacpp import SYSTEM, run_llamacpp, same_prompt, warm
+
+        assert all(same_prompt(base, schema, row["text"]) for row in rows), "llama.cpp's messages differ"
+        warm(llama, base, schema)
+        systems[SYSTEM] = run_llamacpp(llama, base, schema, AR_TOKENS[name])
+    systems |= {
         "AR JSON xgrammar": run_ar(base, schema, AR_TOKENS[name], xgrammar_grammar(base, schema)),
         "AR JSON greedy": run_ar(base, schema, AR_TOKENS[name]),
     }
@@ -86,6 +98,132 @@ def print_latency(name: str, results: dict[str, Any]) -> None:
         ]
         print(f"| {label} | " + " | ".join(map(str, cells)) + " |")
     print_ratios(results, [k for k in results if k.startswith("ours")])
+
+
+def breakdown(engine: PCDEngine, name: str, limit: int, rules: list[str]) -> dict[str, Any]:
+    """Where a warm request's time goes, per rule (medians over the texts, ms): the decoder over the
+    text alone (on the cached head), over the text and the branches (the difference: branch
+    tokens), the LM-head projection of the scored rows, and the rest of `classify` (Python: render,
+    rules, results)."""
+    from pcd_engine import packing
+    from pcd_engine.cache import frozen_view
+    from pcd_engine.runner import PassStats
+
+    schema, rows = load_set(name, limit)
+    decoder = engine.model.get_decoder()
+    out: dict[str, Any] = {}
+    for rule in rules:
+        plan = engine.plan(schema, rule=rule)
+        engine.classify("warm-up", schema, rule=rule)
+        parts: dict[str, list[float]] = {"total": [], "text": [], "text+branches": [], "lm_head": []}
+        counts = {"text": [], "branch": plan.branch_tokens, "rows": sum(len(t.scored) for t in plan.trees)}
+        for row in rows:
+            ids = engine.prompt.with_head(plan.head, row["text"]).ids
+            kv, past = engine.scorer.head_kv(ids, len(plan.head), PassStats())
+            feed = ids[past:]
+            counts["text"].append(len(feed))
+            started = time.perf_counter()
+            engine.classify(row["text"], schema, rule=rule)
+            parts["total"].append(time.perf_counter() - started)
+            with torch.inference_mode():
+                positions = torch.arange(past, len(ids)).unsqueeze(0)
+                started = time.perf_counter()
+                decoder(
+                    input_ids=torch.tensor([feed]), position_ids=positions, past_key_values=frozen_view(kv)
+                )
+                parts["text"].append(time.perf_counter() - started)
+                packed = packing.pack_inputs(feed, past, list(plan.trees))
+                inputs = {
+                    "input_ids": packed.ids,
+                    "attention_mask": packing.additive_mask(packed.allowed, engine.runner.dtype),
+                    "position_ids": packed.positions,
+                    "past_key_values": frozen_view(kv),
+                }
+                started = time.perf_counter()
+                hidden = decoder(**inputs).last_hidden_state
+                parts["text+branches"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                for tree, offset, normalized in zip(plan.trees, packed.offsets, plan.normalized, strict=True):
+                    keep = torch.tensor([offset + i for i in tree.scored])
+                    engine.runner.projection._project(hidden[:, keep], tree, normalized)
+                parts["lm_head"].append(time.perf_counter() - started)
+        median = {k: 1000 * statistics.median(v) for k, v in parts.items()}
+        out[rule] = {
+            "ms": {
+                "total": median["total"],
+                "text tokens": median["text"],
+                "branch tokens": median["text+branches"] - median["text"],
+                "LM-head rows": median["lm_head"],
+                "Python and the rest": median["total"] - median["text+branches"] - median["lm_head"],
+            },
+            "tokens": {
+                "text": statistics.median(counts["text"]),
+                "branch": counts["branch"],
+                "scored rows": counts["rows"],
+                "full-vocabulary rows": sum(
+                    len(t.scored) for t, n in zip(plan.trees, plan.normalized, strict=True) if n
+                ),
+            },
+        }
+        print(f"[breakdown] {name} {rule}: {out[rule]}", file=sys.stderr, flush=True)
+    return out
+
+
+def print_breakdown(name: str, results: dict[str, Any]) -> None:
+    print(f"\n## {name}: where a warm request's time goes (median ms)")
+    rules = list(results)
+    print("| part | " + " | ".join(rules) + " |\n|---|" + "---:|" * len(rules))
+    for part in next(iter(results.values()))["ms"]:
+        print(f"| {part} | " + " | ".join(f"{results[r]['ms'][part]:.0f}" for r in rules) + " |")
+    for part in next(iter(results.values()))["tokens"]:
+        print(f"| {part} (count) | " + " | ".join(f"{results[r]['tokens'][part]:.0f}" for r in rules) + " |")
+
+
+ADJECTIVES = (
+    "red green blue black white orange purple brown silver golden small large quick slow early late inner "
+)
+ADJECTIVES += "outer upper lower"
+NOUNS = (
+    "card transfer payment account refund limit fee pin atm cash top_up exchange balance statement address"
+)
+
+
+def one_field(values: list[str]) -> type[BaseModel]:
+    return create_model(f"Many{len(values)}", label=(Literal[tuple(values)], ...))  # type: ignore[misc]
+
+
+def many_values(engine: PCDEngine, limit: int, rules: list[str]) -> dict[str, Any]:
+    """Warm latency of one field of 2, 77 (banking77's intents) and 300 (synthetic `adjective_noun`)
+    values, per rule; the cost per value is (t_N - t_2) / (N - 2)."""
+    banking, rows = load_set("banking77", limit)
+    intents = list(banking.model_fields["intent"].annotation.__args__)  # type: ignore[union-attr]
+    synthetic = [f"{a}_{n}" for a in ADJECTIVES.split() for n in NOUNS.split()]
+    fields = {2: one_field(["yes_it_is", "no_it_is_not"]), 77: one_field(intents), 300: one_field(synthetic)}
+    out: dict[str, Any] = {}
+    for rule in rules:
+        medians = {}
+        for n, schema in fields.items():
+            engine.classify("warm-up", schema, rule=rule)
+            branch = engine.plan(schema, rule=rule).branch_tokens
+            seconds = []
+            for row in rows:
+                started = time.perf_counter()
+                engine.classify(row["text"], schema, rule=rule)
+                seconds.append(time.perf_counter() - started)
+            medians[n] = {"ms": 1000 * statistics.median(seconds), "branch_tokens": branch}
+        per_value = {n: (medians[n]["ms"] - medians[2]["ms"]) / (n - 2) for n in medians if n > 2}
+        out[rule] = {"values": medians, "ms_per_value": per_value}
+        print(f"[many values] {rule}: {out[rule]}", file=sys.stderr, flush=True)
+    return out
+
+
+def print_many(results: dict[str, Any]) -> None:
+    print("\n## one field of N values: warm median ms (branch tokens), ms per value beyond 2")
+    print("| rule | N=2 | N=77 | N=300 | ms/value (77) | ms/value (300) |\n|---|---:|---:|---:|---:|---:|")
+    for rule, r in results.items():
+        cells = [f"{r['values'][n]['ms']:.0f} ({r['values'][n]['branch_tokens']})" for n in (2, 77, 300)]
+        cells += [f"{r['ms_per_value'][n]:.2f}" for n in (77, 300)]
+        print(f"| {rule} | " + " | ".join(cells) + " |")
 
 
 def throughput(engine: PCDEngine, count: int, sizes: list[int]) -> dict[int, float]:
@@ -201,8 +339,13 @@ def main() -> None:
     parser.add_argument("--precision-limit", type=int, default=12)
     parser.add_argument("--margin", type=float, default=0.2)
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["latency", "throughput", "memory", "precision"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["latency", "breakdown", "many", "throughput", "memory", "precision"],
     )
+    parser.add_argument("--llamacpp", action="store_true", help="add llama.cpp JSON (the [bench] extra)")
+    parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,11 +353,30 @@ def main() -> None:
         memory_child(args.memory_child)
         return
     report: dict[str, Any] = {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = load_smollm2()
+    llama = None
+    if args.llamacpp:
+        from benchmarks.llamacpp import describe, load_llama
+
+        llama = load_llama(args.threads)
+        report["llamacpp"] = describe(llama)
     if "latency" not in args.skip:
         for name in AR_TOKENS:
-            report[name] = latency(engine, name, args.limit, args.greedy_limit)
+            report[name] = latency(engine, name, args.limit, args.greedy_limit, llama)
             print_latency(name, report[name])
+    if "breakdown" not in args.skip:
+        for name in AR_TOKENS:
+            report[f"breakdown {name}"] = breakdown(
+                engine, name, args.limit, ["option-cc", "option-unique-cc"]
+            )
+            print_breakdown(name, report[f"breakdown {name}"])
+    if "many" not in args.skip:
+        report["many values"] = many_values(
+            engine, args.limit, ["option-cc", "option-unique-cc", "greedy-cc"]
+        )
+        print_many(report["many values"])
     if "throughput" not in args.skip:
         report["throughput"] = throughput(engine, args.batch_texts, args.batch_sizes)
         print(f"\n## classify_batch throughput, bitext, {args.batch_texts} texts")
