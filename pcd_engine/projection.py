@@ -5,8 +5,10 @@ Only the positions a rule reads are projected, and only onto the tokens the tree
 logits are exactly `lm_head(decoder output)` (checked once on a probe), the decoder runs alone and the
 head is applied here:
 
-- a tree whose rule needs a normaliser gets log-probs over the whole vocabulary, projected a chunk of
-  positions at a time so that full-vocabulary logits stay within `LOGITS_BYTES`;
+- a tree whose rule needs a normaliser gets log-probs over the whole vocabulary; the rows of all such
+  trees are projected together, a chunk of positions at a time, so that each chunk reads the head's
+  weight once (on a CPU that read, not the arithmetic, is most of the cost) and full-vocabulary logits
+  stay within `LOGITS_BYTES`;
 - any other tree gets plain logits from only its own rows of the LM head (a rule that compares tokens
   of one row cannot be changed by the row-wide shift it skips).
 
@@ -25,7 +27,7 @@ from pcd_engine.branches import TokenTree
 
 # full-vocabulary float32 logits held at once while projecting: small on CPU (memory), large on a GPU
 # (each chunk reads the whole LM-head weight, so fewer, larger chunks are faster)
-LOGITS_BYTES = {"cpu": 16 * 2**20, "cuda": 512 * 2**20}
+LOGITS_BYTES = {"cpu": 32 * 2**20, "cuda": 512 * 2**20}
 
 
 class LMHeadProjection:
@@ -63,34 +65,66 @@ class LMHeadProjection:
     ) -> tuple[list[torch.Tensor], Any]:
         """(per tree, its scored columns; the model's output) for the model `inputs`, reading the
         positions `keep` (each tree's `scored` positions, tree after tree)."""
-        sizes = [len(t.scored) for t in trees]
         if self.head_splits:
             output = self.model.get_decoder()(**inputs)
-            parts = torch.split(output.last_hidden_state[:, keep], sizes, dim=1)
-            per_tree = [self._project(h, t, n) for h, t, n in zip(parts, trees, normalized, strict=True)]
-        else:
-            if self.can_slice_logits:
-                inputs = {**inputs, "logits_to_keep": keep}
-            output = self.model(**inputs)
-            logits = output.logits if self.can_slice_logits else output.logits[:, keep]
-            parts = torch.split(torch.log_softmax(logits.float(), dim=-1), sizes, dim=1)
-            per_tree = [p[..., list(t.vocab)] for p, t in zip(parts, trees, strict=True)]
-        return to_cpu(per_tree), output  # small; the rules then index them without device round trips
+            return self.project(output.last_hidden_state[:, keep], trees, normalized), output
+        if self.can_slice_logits:
+            inputs = {**inputs, "logits_to_keep": keep}
+        output = self.model(**inputs)
+        logits = output.logits if self.can_slice_logits else output.logits[:, keep]
+        sizes = [len(t.scored) for t in trees]
+        parts = torch.split(torch.log_softmax(logits.float(), dim=-1), sizes, dim=1)
+        return to_cpu([p[..., list(t.vocab)] for p, t in zip(parts, trees, strict=True)]), output
 
-    def _project(self, hidden: torch.Tensor, tree: TokenTree, normalized: bool) -> torch.Tensor:
-        """Scored columns from hidden states (B, K, H): the full LM head + log-softmax, a chunk of
-        positions at a time; or only the LM-head rows of the tree's own tokens."""
+    def project(
+        self, hidden: torch.Tensor, trees: Sequence[TokenTree], normalized: Sequence[bool]
+    ) -> list[torch.Tensor]:
+        """Per tree, its scored columns on the CPU from the decoder's hidden states (B, K, H) at the
+        scored positions, tree after tree. The result is small; the rules then index it without
+        device round trips."""
+        parts = torch.split(hidden, [len(t.scored) for t in trees], dim=1)
+        per_tree = {
+            k: self._own_rows(h, t)
+            for k, (h, t, n) in enumerate(zip(parts, trees, normalized, strict=True))
+            if not n
+        }
+        wanted = [k for k, n in enumerate(normalized) if n]
+        if wanted:  # every normalised tree's rows through the full head together
+            full = self._log_softmax_columns([parts[k] for k in wanted], [trees[k] for k in wanted])
+            per_tree.update(zip(wanted, full, strict=True))
+        return to_cpu([per_tree[k] for k in range(len(trees))])
+
+    def _log_softmax_columns(
+        self, parts: Sequence[torch.Tensor], trees: Sequence[TokenTree]
+    ) -> list[torch.Tensor]:
+        """Per tree, log-probs over the whole vocabulary of its own columns, from hidden states
+        (B, K, H) per tree. All trees' rows go through the full LM head together, a chunk of rows at a
+        time, so that each chunk reads the head's weight once and full logits stay within
+        `LOGITS_BYTES`."""
         head = self.model.get_output_embeddings()
-        if normalized:
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            columns = torch.tensor(tree.vocab, device=hidden.device)
-            budget = LOGITS_BYTES.get(hidden.device.type, LOGITS_BYTES["cpu"])
-            step = max(1, budget // (4 * head.weight.shape[0]))
-            parts = [
-                torch.log_softmax(head(flat[i : i + step]).float(), dim=-1)[:, columns]
-                for i in range(0, flat.shape[0], step)
-            ]
-            return torch.cat(parts).reshape(*hidden.shape[:-1], len(tree.vocab))
+        flat = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
+        bounds, start = [], 0
+        for p in parts:
+            bounds.append((start, start + p.shape[0] * p.shape[1]))
+            start = bounds[-1][1]
+        columns = [torch.tensor(t.vocab, device=flat.device) for t in trees]
+        budget = LOGITS_BYTES.get(flat.device.type, LOGITS_BYTES["cpu"])
+        step = max(1, budget // (4 * head.weight.shape[0]))
+        pieces: list[list[torch.Tensor]] = [[] for _ in trees]
+        for i in range(0, flat.shape[0], step):
+            logprobs = torch.log_softmax(head(flat[i : i + step]).float(), dim=-1)
+            for k, (lo, hi) in enumerate(bounds):
+                a, b = max(lo, i), min(hi, i + step)
+                if a < b:
+                    pieces[k].append(logprobs[a - i : b - i][:, columns[k]])
+        return [
+            torch.cat(piece).reshape(*p.shape[:-1], len(t.vocab))
+            for piece, p, t in zip(pieces, parts, trees, strict=True)
+        ]
+
+    def _own_rows(self, hidden: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+        """Plain logits (B, K, len(tree.vocab)) from only the LM-head rows of the tree's own tokens."""
+        head = self.model.get_output_embeddings()
         rows = torch.tensor(tree.vocab, device=hidden.device)
         bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
         return torch.nn.functional.linear(hidden, head.weight[rows], bias).float()
