@@ -63,8 +63,8 @@ class PCDEngine(LearningMixin, ChatMixin):
     >>> result.value.topic, result.fields["topic"].probabilities  # doctest: +SKIP
     ('billing', {'billing': 0.97, 'bug': 0.01, 'other': 0.02})
 
-    Options: `rule` ("option-cc", "option", "option-mean", "greedy", "greedy-cc", "code" or a Rule
-    object), `limits`, `chat_template_kwargs` (e.g. `{"enable_thinking": False}`), `instructions`
+    Options: `rule` ("option-cc", "option", "option-mean", "option-unique", "option-unique-cc",
+    "greedy", "greedy-cc", "code" or a Rule object), `limits`, `chat_template_kwargs` (e.g. `{"enable_thinking": False}`), `instructions`
     (default system instructions), `max_tokens_per_forward` (tokens per forward call, which bounds
     microbatches and batched rows; default 2,048 on CPU, 32,768 on CUDA), `prefix_cache` (True,
     False or a shared `PrefixCache`: reuse the KV of the per-schema prompt head across calls),
