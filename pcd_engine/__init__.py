@@ -85,6 +85,7 @@ __all__ = [
     "Suggestion",
     "TokenLogprob",
     "UnsupportedSchemaError",
+    "__version__",
     "compile_schema",
     "create_manifest",
     "evaluate",

@@ -99,8 +99,10 @@ def test_a_rule_override_applies_only_where_the_layout_matches():
     rules = {dp.decision.path: dp.rule.name for dp in plan.scored_decisions}
     assert rules == {"topic": "code", "urgent": "option"}  # bools have no codes: option layout
     logprobs = scores_for(plan, {"topic": [-0.1, -2.0, -3.0], "urgent": [-1.0, -0.5]})
-    fields = decide(plan, logprobs, rule=RULES["greedy"])  # greedy reads the option layout
-    assert fields["topic"].rule == "code" and fields["urgent"].rule == "greedy"
+    fields = decide(plan, logprobs, rule=RULES["option-mean"])  # reads the bools' whole trees
+    assert fields["topic"].rule == "code" and fields["urgent"].rule == "option-mean"
+    fields = decide(plan, logprobs, rule=RULES["greedy"])  # reads cut trees: not these
+    assert fields["topic"].rule == "code" and fields["urgent"].rule == "option"
 
 
 def test_decide_field_equals_the_rule_on_prior_corrected_scores():
