@@ -199,18 +199,7 @@ class ChatMixin:
         `logprobs=k` records each token's log-probability and its `k` (0 to 20) most probable
         alternatives in `Generation.logprobs` (see `TokenLogprob`).
         """
-        chosen = sampling or self.sampling
-        call = chat_call(
-            self.prompt,
-            self.limits,
-            messages,
-            max_tokens,
-            stop,
-            chosen,
-            sampling_options,
-            json_object,
-            logprobs,
-        )
+        call = self._chat_call(messages, max_tokens, stop, sampling, sampling_options, json_object, logprobs)
         return call.generate(self.generator)
 
     def stream(
@@ -227,16 +216,20 @@ class ChatMixin:
         """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
         reason and the token counts (and with `logprobs=`, its chunks the tokens' log-probabilities).
         Closing the iterator early stops generation."""
-        chosen = sampling or self.sampling
-        call = chat_call(
-            self.prompt,
-            self.limits,
-            messages,
-            max_tokens,
-            stop,
-            chosen,
-            sampling_options,
-            json_object,
-            logprobs,
-        )
+        call = self._chat_call(messages, max_tokens, stop, sampling, sampling_options, json_object, logprobs)
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
+
+    def _chat_call(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int,
+        stop: Sequence[str] | None,
+        sampling: Sampling | None,
+        options: Mapping[str, Any],
+        json_object: bool,
+        logprobs: int | None,
+    ) -> ChatCall:
+        chosen = sampling or self.sampling
+        return chat_call(
+            self.prompt, self.limits, messages, max_tokens, stop, chosen, options, json_object, logprobs
+        )
