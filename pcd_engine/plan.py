@@ -29,7 +29,7 @@ from pcd_engine.layout import (
     system_text,
 )
 from pcd_engine.prompt import ChatPrompt
-from pcd_engine.schema import CompiledSchema, Decision, Limits
+from pcd_engine.schema import YES_NO, CompiledSchema, Decision, Limits
 from pcd_engine.scoring import OptionRule, Rule
 
 
@@ -141,9 +141,8 @@ def build_plan(
                 continue
         texts = [candidate_text(c.json, depth, wording) for c in decision.candidates]
         used = OptionRule("sum") if rule.uses_codes else rule  # a field without codes
-        tree = build_tree(
-            prompt.encode_text, branch_text(decision.json_keys, wording), texts, used.until_unique
-        )
+        cut = used.until_unique or (used.cut_bools and decision.candidates == YES_NO)
+        tree = build_tree(prompt.encode_text, branch_text(decision.json_keys, wording), texts, cut)
         _check_lengths(tree, decision, limits)
         plans.append(DecisionPlan(decision, tree, used))
     schema, described = None, {}

@@ -12,6 +12,8 @@ runner then projects the hidden state onto those few LM-head rows only.
   `OptionRule("sum", until_unique=True)` ("option-unique") sums only up to the token that sets the
   candidate apart from the others: a sibling tree with far fewer tokens to feed and to project
   (77 intents: 52 instead of 387), at the cost of the tail's log-probability (measured, not exact).
+  `OptionRule("sum", cut_bools=True)` ("option-boolcut") cuts only yes/no decisions: a bool is
+  scored by its word (` true` / ` false`) without the terminator after it, strings whole.
 - `GreedyRule` ("greedy"): walk the trie, taking the best child at each node: the result of greedy
   decoding constrained to the candidates' canonical tokenizations. Its probabilities are those of
   constrained decoding: at each node a softmax over the allowed children, multiplied along the path.
@@ -64,12 +66,15 @@ class Rule(Protocol):
     @property
     def until_unique(self) -> bool: ...  # reads each candidate only up to its distinguishing token
 
+    @property
+    def cut_bools(self) -> bool: ...  # reads yes/no decisions only up to their distinguishing token
+
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores: ...
 
 
-def layout(rule: Rule) -> tuple[bool, bool]:
+def layout(rule: Rule) -> tuple[bool, bool, bool]:
     """What a rule's trees look like: rules with equal layouts can read one packed pass."""
-    return (rule.uses_codes, rule.until_unique)
+    return (rule.uses_codes, rule.until_unique, rule.cut_bools)
 
 
 def token_logprobs(tree: TokenTree, logprobs: torch.Tensor) -> list[torch.Tensor]:
@@ -96,11 +101,12 @@ class OptionRule:
     corrects_prior: bool = False
     needs_normalizer: bool = True  # a sum of log-probs from different rows
     until_unique: bool = False  # an approximation: drops log p(rest | distinguishing prefix)
+    cut_bools: bool = False  # the same for yes/no decisions only (` true` / ` false`, no terminator)
 
     @property
     def name(self) -> str:
         base = "option" if self.normalize == "sum" else "option-mean"
-        return base + ("-unique" if self.until_unique else "")
+        return base + ("-unique" if self.until_unique else "-boolcut" if self.cut_bools else "")
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         per_token = token_logprobs(tree, logprobs)
@@ -115,6 +121,7 @@ class CodeRule:
     corrects_prior: bool = False
     needs_normalizer: bool = False
     until_unique: bool = True  # exact: it reads the first continuation token only
+    cut_bools: bool = False
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         root = logprobs[0]  # row 0 is tree.root
@@ -132,6 +139,7 @@ class GreedyRule:
     corrects_prior: bool = False
     needs_normalizer: bool = False
     until_unique: bool = True  # exact: past the distinguishing token each node has one child (log 1)
+    cut_bools: bool = False
 
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         rows = {fed: row for row, fed in enumerate(tree.scored)}
@@ -183,6 +191,10 @@ class ContextualCalibration:
     def until_unique(self) -> bool:
         return self.base.until_unique
 
+    @property
+    def cut_bools(self) -> bool:
+        return self.base.cut_bools
+
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         return self.base.score(tree, logprobs)
 
@@ -196,6 +208,8 @@ RULES: dict[str, Rule] = {
     "greedy-cc": ContextualCalibration(GreedyRule()),
     "option-unique": OptionRule("sum", until_unique=True),
     "option-unique-cc": ContextualCalibration(OptionRule("sum", until_unique=True)),
+    "option-boolcut": OptionRule("sum", cut_bools=True),
+    "option-boolcut-cc": ContextualCalibration(OptionRule("sum", cut_bools=True)),
 }
 
 

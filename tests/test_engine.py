@@ -232,3 +232,17 @@ def test_a_schema_of_single_value_fields_needs_no_forward_call(tiny_model, tiny_
     assert result.value == Fixed(channel="email", version=2)
     assert result.fields["channel"].rule == "fixed" and result.diagnostics.forward_calls == 0
     assert [r.value for r in engine.classify_batch(["a", "b"], Fixed)] == [result.value] * 2
+
+
+def test_option_boolcut_cuts_yes_no_decisions_only(engine):
+    whole, boolcut = engine.plan(Ticket, rule="option"), engine.plan(Ticket, rule="option-boolcut")
+    cut = engine.plan(Ticket, rule="option-unique")
+    for a, b, c in zip(whole.scored_decisions, boolcut.scored_decisions, cut.scored_decisions, strict=True):
+        assert b.tree is not None and c.tree is not None and a.tree is not None
+        expected = c.tree if a.decision.path == "urgent" else a.tree
+        assert b.tree.tokens == expected.tokens and b.tree.paths == expected.paths
+    text = "the app crashes, refund me"
+    got = engine.classify(text, Ticket, rule="option-boolcut").fields
+    for path, reference in (("topic", "option"), ("priority", "option"), ("urgent", "option-unique")):
+        want = engine.classify(text, Ticket, rule=reference).fields[path]
+        assert got[path].log_scores == pytest.approx(want.log_scores, abs=1e-4)
