@@ -64,24 +64,25 @@ class PCDEngine(LearningMixin, ChatMixin):
     ('billing', {'billing': 0.97, 'bug': 0.01, 'other': 0.02})
 
     Options: `rule` ("option-cc", "option", "option-mean", "option-unique", "option-unique-cc",
-    "greedy", "greedy-cc", "code" or a Rule object), `limits`, `chat_template_kwargs` (e.g.
-    `{"enable_thinking": False}`), `instructions` (default system instructions),
-    `max_tokens_per_forward` (tokens per forward call, which bounds microbatches and batched rows;
-    default 2,048 on CPU, 32,768 on CUDA), `prefix_cache` (True, False or a shared `PrefixCache`: reuse
-    the KV of the per-schema prompt head across calls), `allow_generation` (generate open fields; False
-    raises UnsupportedSchemaError for them), `sampling` (default decoding for generation: greedy),
-    `generation_batch_size` (rows per padded generation batch), `stop_token_ids` (end-of-answer ids;
-    default: the model's eos ids and the chat template's end-of-turn token), `reference_model` (an FP32
-    copy of the weights: scored fields whose margin is below `rescore_margin` are scored again on it, so
-    close calls match FP32), `self_check` (for a model not in float32: compare packed and separate
-    passes on a fixed probe at start-up and raise PrecisionCheckError if they disagree; the report is
-    `engine.precision_check`), `abstain_below` (default abstention threshold of `classify` calls; None:
-    never abstain), `branch_wording` ("json": a branch continues the answer as a JSON object, `{"topic":
-    "billing"}`; "plain": as a `topic: billing` line, the label after a space), `allow_empty_text`
-    (classify empty or whitespace-only texts instead of refusing them with InputError), `text_framing`
-    ("turn": the text is the whole user message; "data": between `<text>` delimiters, with a system
-    sentence saying it is data, not instructions; "sandwich": "data" with the task restated after the
-    text; docs/benchmarks.md measures the three against injected text)."""
+    "option-boolcut", "option-boolcut-cc", "greedy", "greedy-cc", "code" or a Rule object), `limits`,
+    `chat_template_kwargs` (e.g. `{"enable_thinking": False}`), `instructions` (default system
+    instructions), `max_tokens_per_forward` (tokens per forward call, which bounds microbatches and
+    batched rows; default 2,048 on CPU, 32,768 on CUDA), `prefix_cache` (True, False or a shared
+    `PrefixCache`: reuse the KV of the per-schema prompt head across calls), `allow_generation`
+    (generate open fields; False raises UnsupportedSchemaError for them), `sampling` (default decoding
+    for generation: greedy), `generation_batch_size` (rows per padded generation batch),
+    `stop_token_ids` (end-of-answer ids; default: the model's eos ids and the chat template's
+    end-of-turn token), `reference_model` (an FP32 copy of the weights: scored fields whose margin is
+    below `rescore_margin` are scored again on it, so close calls match FP32), `self_check` (for a model
+    not in float32: compare packed and separate passes on a fixed probe at start-up and raise
+    PrecisionCheckError if they disagree; the report is `engine.precision_check`), `abstain_below`
+    (default abstention threshold of `classify` calls; None: never abstain), `branch_wording` ("json": a
+    branch continues the answer as a JSON object, `{"topic": "billing"}`; "plain": as a `topic: billing`
+    line, the label after a space), `allow_empty_text` (classify empty or whitespace-only texts instead
+    of refusing them with InputError), `text_framing` ("turn": the text is the whole user message;
+    "data": between `<text>` delimiters, with a system sentence saying it is data, not instructions;
+    "sandwich": "data" with the task restated after the text; docs/benchmarks.md measures the three
+    against injected text)."""
 
     def __init__(
         self,
