@@ -37,7 +37,7 @@ class ChatCall:
         return [generator.matcher(generator.compile_json_object())] if self.json_object else None
 
     def recorder(self) -> LogprobRecorder | None:
-        return None if self.logprobs is None else LogprobRecorder(1, self.logprobs)
+        return LogprobRecorder.asked(1, self.logprobs)
 
     def generate(self, generator: Generator) -> Generation:
         (completion,) = generator.run(

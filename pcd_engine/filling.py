@@ -147,7 +147,7 @@ class JsonFiller:
                 sampling=sampling,
                 matchers=[jobs[i].matcher for i in chunk],
                 cache=kv,
-                recorder=None if logprobs is None else LogprobRecorder(len(chunk), logprobs),
+                recorder=LogprobRecorder.asked(len(chunk), logprobs),
             )
             elapsed = elapsed_ms(began)
             for i, completion in zip(chunk, completions, strict=True):
@@ -168,8 +168,6 @@ class JsonFiller:
         """Parse and validate one generated answer; after a validation error, retry once."""
         for attempt in (1, 2):
             request.attempts = attempt
-            if completion.logprobs is not None:
-                request.token_logprobs = self.generator.token_logprobs(completion.logprobs)
             request.generated_tokens += completion.steps
             request.stats.forward_calls += completion.steps
             try:
@@ -181,6 +179,8 @@ class JsonFiller:
             if isinstance(outcome, BaseModel):
                 request.value = outcome
                 request.fields.update(generated_fields(plan, outcome))
+                if completion.logprobs is not None:  # the accepted answer's tokens, as text
+                    request.token_logprobs = self.generator.token_logprobs(completion.logprobs)
                 return
             if attempt == 2:
                 request.error = StructuredOutputError(
@@ -195,7 +195,7 @@ class JsonFiller:
                 sampling=sampling,
                 matchers=[job.matcher],
                 cache=self._head_kv(plan, job.prompt, request),
-                recorder=None if logprobs is None else LogprobRecorder(1, logprobs),
+                recorder=LogprobRecorder.asked(1, logprobs),
             )
             request.timings["retry"] = elapsed_ms(began)
 

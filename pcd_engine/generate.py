@@ -118,6 +118,11 @@ class LogprobRecorder(LogitsProcessor):
         self._last = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
+    @classmethod
+    def asked(cls, rows: int, logprobs: int | None) -> LogprobRecorder | None:
+        """A recorder for `rows` rows when `logprobs=` asks for one (not None), else None."""
+        return None if logprobs is None else cls(rows, logprobs)
+
     def finish(self, last_ids: torch.Tensor) -> None:
         self._resolve(last_ids)
 
