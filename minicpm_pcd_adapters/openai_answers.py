@@ -85,7 +85,7 @@ def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -
         "cached_tokens": d.cached_tokens,
     }
     finish = "stop" if call.tool is None else "tool_calls"
-    logprobs = scored_logprobs(result, call.top_logprobs) if call.logprobs else None
+    logprobs = None if call.logprobs is None else scored_logprobs(result, call.logprobs)
     return {
         "index": index,
         "message": message,

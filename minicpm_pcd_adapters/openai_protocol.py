@@ -165,18 +165,12 @@ class ClassifyCall:
     include_usage: bool = False
     schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
     calibration: str | None = None  # the name of the loaded calibration that matched, if any
-    logprobs: bool = False  # answer with `choice.logprobs`: one entry per scored field
-    top_logprobs: int = 0  # and the field's k most probable values at each
-
-    @property
-    def recorded_logprobs(self) -> int | None:
-        """The engine's `logprobs=` for generated tokens: None when not asked for."""
-        return self.top_logprobs if self.logprobs else None
+    logprobs: int | None = None  # answer with `choice.logprobs`, k alternatives each; None: not asked
 
     def batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one `classify_batch` (same schema and options)."""
         schema = json.dumps(self.schema, sort_keys=True)
-        options = (self.sampling, self.abstain_below, self.calibration, self.recorded_logprobs)
+        options = (self.sampling, self.abstain_below, self.calibration, self.logprobs)
         return (schema, self.instructions, *options)
 
 
@@ -213,6 +207,7 @@ def parse_request(
     usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None  # the engine's `logprobs=`
     if structured is not None:
         schema, tool, param = structured
         instructions, text = structured_request(messages)
@@ -229,13 +224,11 @@ def parse_request(
             stream,
             usage,
             param,
-            logprobs=bool(request.logprobs),
-            top_logprobs=request.top_logprobs or 0,
+            logprobs=logprobs,
         )
     json_object = request.response_format is not None and request.response_format.type == "json_object"
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return GenerateCall(
         request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs
     )

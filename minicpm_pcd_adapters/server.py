@@ -86,7 +86,7 @@ class ClassifyRunner:
             sampling=first.sampling,
             abstain_below=first.abstain_below,
             calibration=self.calibrations.by_name.get(first.calibration or ""),
-            logprobs=first.recorded_logprobs,
+            logprobs=first.logprobs,
             return_exceptions=True,
         )
         out, start = [], 0
