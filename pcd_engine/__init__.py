@@ -29,7 +29,7 @@ from pcd_engine.manifest import MANIFEST_NAME, create_manifest, read_manifest, v
 from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.precision import SelfCheck
-from pcd_engine.prompt import TEXT_FRAMINGS
+from pcd_engine.prompt import TEXT_FRAMINGS, Conversation
 from pcd_engine.results import (
     Diagnostics,
     FieldResult,
@@ -41,18 +41,21 @@ from pcd_engine.results import (
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 from pcd_engine.suggestions import LabelSuggestions, Suggestion
+from pcd_engine.tools import TOOL_CHOICES, Tool, ToolCaller, ToolCallResult, ToolChoice, as_tools
 
 __all__ = [
     "DEFAULT_RULE",
     "MANIFEST_NAME",
     "RULES",
     "TEXT_FRAMINGS",
+    "TOOL_CHOICES",
     "AbstentionError",
     "Calibration",
     "CalibrationError",
     "CodeRule",
     "CompiledSchema",
     "ContextualCalibration",
+    "Conversation",
     "Diagnostics",
     "Evaluation",
     "FieldCalibration",
@@ -84,8 +87,13 @@ __all__ = [
     "StructuredOutputError",
     "Suggestion",
     "TokenLogprob",
+    "Tool",
+    "ToolCallResult",
+    "ToolCaller",
+    "ToolChoice",
     "UnsupportedSchemaError",
     "__version__",
+    "as_tools",
     "compile_schema",
     "create_manifest",
     "evaluate",

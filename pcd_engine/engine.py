@@ -10,7 +10,8 @@
     6. one result or error per input, in order          request.py
 
 `generate` / `stream` are plain chat generation (chat.py, generate.py); `calibrate`, `score_fields`
-and `suggest_labels` learn from the user's texts (learning.py).
+and `suggest_labels` learn from the user's texts (learning.py); `engine.tools` decides tool calls,
+the tool being one more scored field (tools.py).
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
-from pcd_engine.prompt import ChatPrompt
+from pcd_engine.prompt import ChatPrompt, Conversation
 from pcd_engine.request import Request, RequestOptions, elapsed_ms, example_turns, in_order, render_all
 from pcd_engine.results import PCDResult
 from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
 from pcd_engine.scoring import Rule, get_rule, layout
+from pcd_engine.tools import ToolCaller
 
 T = TypeVar("T", bound=BaseModel)
 DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md
@@ -193,7 +195,7 @@ class PCDEngine(LearningMixin, ChatMixin):
     @overload
     def classify(
         self,
-        text: str,
+        text: str | Conversation,
         schema: type[T],
         *,
         instructions: str | None = None,
@@ -210,7 +212,7 @@ class PCDEngine(LearningMixin, ChatMixin):
     @overload
     def classify(
         self,
-        text: str,
+        text: str | Conversation,
         schema: Any,
         *,
         instructions: str | None = None,
@@ -226,7 +228,7 @@ class PCDEngine(LearningMixin, ChatMixin):
 
     def classify(
         self,
-        text: str,
+        text: str | Conversation,
         schema: Any,
         *,
         instructions: str | None = None,
@@ -257,7 +259,7 @@ class PCDEngine(LearningMixin, ChatMixin):
             sampling=sampling,
             examples=examples,
             calibration=calibration,
-            abstain_below=self._abstain_below(abstain_below),
+            abstain_below=self.abstain_below if abstain_below is None else abstain_below,
             on_abstain=on_abstain,
             logprobs=logprobs,
         )
@@ -267,7 +269,7 @@ class PCDEngine(LearningMixin, ChatMixin):
 
     def classify_batch(
         self,
-        texts: Iterable[str],
+        texts: Iterable[str | Conversation],
         schema: Any,
         *,
         instructions: str | None = None,
@@ -302,11 +304,16 @@ class PCDEngine(LearningMixin, ChatMixin):
             examples=examples,
             calibration=calibration,
             batch_calibration=calibrate == "batch",
-            abstain_below=self._abstain_below(abstain_below),
+            abstain_below=self.abstain_below if abstain_below is None else abstain_below,
             on_abstain=on_abstain,
             logprobs=logprobs,
         )
         return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
+
+    @cached_property
+    def tools(self) -> ToolCaller:
+        """Tool calls scored like any closed field: `engine.tools.call(messages, tools)` (tools.py)."""
+        return ToolCaller(self)
 
     @cached_property
     def model_identity(self) -> calibration.ModelIdentity:
@@ -417,9 +424,6 @@ class PCDEngine(LearningMixin, ChatMixin):
             request.fields = calibration.apply_all(maps, request.fields, request.hidden)
             if options.abstain_below is not None:
                 request.fields = calibration.abstain(request.fields, options.abstain_below)
-
-    def _abstain_below(self, value: float | None) -> float | None:
-        return self.abstain_below if value is None else value
 
     def _score(self, plan: SchemaPlan, requests: Sequence[Request], keep_hidden: bool = False) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the

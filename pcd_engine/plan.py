@@ -49,14 +49,18 @@ class SchemaPlan:
     json_schema: dict[str, Any] | None = None  # the model's JSON schema (capped), when it has open fields
     examples: tuple[tuple[str, str], ...] = ()  # (text, answer) turns rendered into the head
     wording: str = "json"  # how branches write a value (layout.WORDINGS)
+    tools: tuple[dict[str, Any], ...] = ()  # tool definitions the template renders in the head
 
     @cached_property
     def fingerprint(self) -> str:
         """What scores depend on besides the model and rule: every decision's path and values, the
-        whole head text (instructions, descriptions, examples) and the branch wording. Calibrations
-        are keyed by it."""
+        whole head text (instructions, descriptions, examples, tools) and the branch wording.
+        Calibrations are keyed by it."""
         decisions = [[d.decision.path, [c.json for c in d.decision.candidates]] for d in self.decisions]
-        text = json.dumps([decisions, self.system, self.examples, self.wording], ensure_ascii=False)
+        parts: list[Any] = [decisions, self.system, self.examples, self.wording]
+        if self.tools:
+            parts.append(self.tools)
+        text = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
     @cached_property
@@ -155,8 +159,11 @@ def build_plan(
         examples = tuple((text, _coded(answer, compiled, codes)) for text, answer in examples)
     if wording == "plain" and not compiled.open_fields:
         examples = tuple((text, plain_answer(compiled, answer)) for text, answer in examples)
-    head = prompt.render_head(system, examples)
-    return SchemaPlan(compiled, system, head, tuple(plans), schema, examples, wording)
+    # A tool decision's schema (tools.py) carries its tool definitions: a template with a tool
+    # protocol renders them in the head; elsewhere the schema's description lists them.
+    tools = tuple(getattr(compiled.schema, "pcd_tools", ())) if prompt.supports_tools else ()
+    head = prompt.render_head(system, examples, tools)
+    return SchemaPlan(compiled, system, head, tuple(plans), schema, examples, wording, tools)
 
 
 def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:

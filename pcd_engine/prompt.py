@@ -19,9 +19,13 @@ special-token parsing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
+
+from pcd_engine.errors import InputError
 
 SYSTEM_SLOT = "\x1epcd-system-slot\x1e"
 USER_SLOT = "\x1epcd-user-slot\x1e"
@@ -73,6 +77,34 @@ class PromptIds:
         return len(self.head) + len(self.text) + len(self.tail)
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn input to classify: (role, content) pairs, every content data. Where the template
+    allows it the turns are rendered as turns after the schema's head (a tool result in the template's
+    `tool` role, say); elsewhere they are one text of "Role: content" paragraphs.
+
+    >>> Conversation((("user", "Weather in Paris?"),)).text
+    'Weather in Paris?'
+    """
+
+    messages: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        if not self.messages or not all(
+            isinstance(m, tuple) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in self.messages
+        ):
+            raise InputError("a Conversation is a non-empty tuple of (role, content) string pairs")
+        if any(role == "system" for role, _ in self.messages):
+            raise InputError("a Conversation holds no system message: pass it as the instructions")
+
+    @property
+    def text(self) -> str:
+        """One user message as it is; a longer conversation as "Role: content" paragraphs."""
+        if len(self.messages) == 1 and self.messages[0][0] == "user":
+            return self.messages[0][1]
+        return "\n\n".join(f"{role.title()}: {content}" for role, content in self.messages)
+
+
 class ChatPrompt:
     """Renders (system text, user text) with the tokenizer's own chat template into token ids.
 
@@ -115,9 +147,15 @@ class ChatPrompt:
         """A request's prompt on an already rendered head (the per-schema part)."""
         return PromptIds(head, tuple(self.encode_text(text)), self.tail)
 
-    def render_messages(self, messages: Sequence[tuple[str, str]], until_last: bool = False) -> list[int]:
+    def render_messages(
+        self,
+        messages: Sequence[tuple[str, str]],
+        until_last: bool = False,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> list[int]:
         """A whole conversation (role, content) followed by the assistant start, contents as data;
-        `until_last`: only up to where the last message's content starts."""
+        `until_last`: only up to where the last message's content starts. `tools` (OpenAI function
+        dicts) are rendered by the template where it has a tool protocol (`supports_tools`)."""
         if not getattr(self.tokenizer, "chat_template", None):
             turns = "".join(f"{role.title()}: {text}\n\n" for role, text in messages)
             return self.encode_text(turns + "Assistant:")
@@ -125,7 +163,7 @@ class ChatPrompt:
             messages = _fold_system(messages)
         slots = [f"\x1epcd-slot-{i}\x1e" for i in range(len(messages))]
         slotted = [{"role": role, "content": slot} for (role, _), slot in zip(messages, slots, strict=True)]
-        rest = self._apply(slotted)
+        rest = self._apply(slotted, tools if self.supports_tools else ())
         ids: list[int] = []
         for slot, (_, content) in zip(slots, messages, strict=True):
             if rest.count(slot) != 1:
@@ -137,6 +175,41 @@ class ChatPrompt:
             ids += self.encode_text(content)
         return ids + self._encode_control(rest)
 
+    def with_conversation(
+        self,
+        head: tuple[int, ...],
+        system: str,
+        conversation: Conversation,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> PromptIds:
+        """A conversation's prompt on a rendered head: its turns rendered by the template after the
+        system text (a tool result in the template's own role), where that rendering starts with the
+        head; otherwise (a template that folds the system text into the user's turn, a text frame)
+        its flattened `text` as one user message."""
+        if self.frame.name == "turn" and getattr(self.tokenizer, "chat_template", None):
+            try:
+                ids = self.render_messages([("system", system), *conversation.messages], tools=tools)
+            except Exception:  # a template that rejects a role (e.g. `tool`) or the turn order
+                ids = []
+            if tuple(ids[: len(head)]) == head and len(ids) > len(head):
+                rest = tuple(ids[len(head) :])
+                if len(rest) > len(self.tail) and rest[-len(self.tail) :] == self.tail:
+                    return PromptIds(head, rest[: -len(self.tail)], self.tail)
+                return PromptIds(head, rest, ())
+        return self.with_head(head, conversation.text)
+
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (a tool protocol of its own)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return False
+        probe = [{"type": "function", "function": {"name": "pcd_probe_tool", "parameters": {}}}]
+        messages = [{"role": "user", "content": "x"}]
+        try:
+            return "pcd_probe_tool" in str(self._apply(messages, probe))
+        except Exception:
+            return False
+
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """The control token that closes a turn in this template (ChatML: `<|im_end|>`), if any."""
@@ -146,10 +219,17 @@ class ChatPrompt:
         """The system text with the frame's note about the user's text."""
         return f"{system}\n\n{self.frame.note}" if self.frame.note else system
 
-    def render_head(self, system: str, examples: Sequence[tuple[str, str]] = ()) -> tuple[int, ...]:
+    def render_head(
+        self,
+        system: str,
+        examples: Sequence[tuple[str, str]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> tuple[int, ...]:
         """The per-schema head: the system text and, before the user's turn, labeled examples as
-        earlier (user text, assistant answer) turns."""
-        start, middle, tail = self._pieces
+        earlier (user text, assistant answer) turns; `tools` rendered by a template with a tool
+        protocol (`supports_tools`) in its own place."""
+        tools = tools if self.supports_tools else ()
+        start, middle, tail = self._template_pieces(tools) if tools else self._pieces
         opened = self.encode_text(self.frame.open)
         examples = [(self.frame.open + text + self.frame.close, answer) for text, answer in examples]
         if examples and not getattr(self.tokenizer, "chat_template", None):
@@ -159,7 +239,7 @@ class ChatPrompt:
             turns = [("system", system)]
             for text, answer in examples:
                 turns += [("user", text), ("assistant", answer)]
-            head = self.render_messages([*turns, ("user", USER_SLOT)], until_last=True)
+            head = self.render_messages([*turns, ("user", USER_SLOT)], until_last=True, tools=tools)
             return (*head, *opened)
         if self._system_in_user:
             return (*self._encode_control(start), *self.encode_text(system + "\n\n" + self.frame.open))
@@ -170,27 +250,32 @@ class ChatPrompt:
             *opened,
         )
 
-    def _template_pieces(self) -> tuple[str, str, str]:
+    def _template_pieces(self, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, str, str]:
         """Render the template once with slots, and cut it into the three fixed pieces."""
         if not getattr(self.tokenizer, "chat_template", None):
             return PLAIN_HEAD, PLAIN_MIDDLE, PLAIN_TAIL
+        if tools:  # the tool definitions are the developer's, not data: no control string in them
+            found = [c for c in self.control_strings if c in json.dumps(list(tools), ensure_ascii=False)]
+            if found:
+                raise InputError(f"a tool definition contains the control token {found[0]!r}")
         messages = [{"role": "system", "content": SYSTEM_SLOT}, {"role": "user", "content": USER_SLOT}]
         try:
-            rendered = self._apply(messages)
+            rendered = self._apply(messages, tools)
         except Exception:  # templates that reject a system role (they raise TemplateError)
             rendered = None
         if rendered is None or rendered.count(SYSTEM_SLOT) != 1:
             self._system_in_user = True
-            rendered = self._apply([{"role": "user", "content": SYSTEM_SLOT + USER_SLOT}])
+            rendered = self._apply([{"role": "user", "content": SYSTEM_SLOT + USER_SLOT}], tools)
         if rendered.count(USER_SLOT) != 1 or rendered.count(SYSTEM_SLOT) != 1:
             raise ValueError("the chat template does not render message contents verbatim")
         start, rest = rendered.split(SYSTEM_SLOT)
         middle, tail = rest.split(USER_SLOT)
         return start, middle, tail
 
-    def _apply(self, messages: list[dict[str, str]]) -> str:
+    def _apply(self, messages: list[dict[str, str]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        extra = {"tools": list(tools)} if tools else {}
         out = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs, **extra
         )
         return str(out)
 
