@@ -1,6 +1,8 @@
 """LangChain: `ChatMiniCPM`, a chat model whose `with_structured_output(Schema)` runs the PCD engine.
 
-Plain chat (`invoke`, `stream`, `batch` and async forms) uses `PCDEngine.generate` / `stream`. A
+Plain chat (`invoke`, `stream`, `batch` and async forms) uses `PCDEngine.generate` / `stream`.
+`bind_tools` makes every call a tool decision (`engine.tools.call`, langchain_tools.py): the tool, or a
+text answer, scored with the candidate tools' closed arguments, so `create_agent` runs on the engine. A
 structured call binds the schema to the model (`bind(ls_structured_output_format=..., pcd_schema=...)`),
 so callbacks and tracing see it once per call; `_generate` then runs `engine.classify`: closed fields
 scored, open fields generated. The answer is an AIMessage whose content is the object's JSON and whose
@@ -16,50 +18,57 @@ Ticket(topic='billing', ...)
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput, ModelProfile
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
-    ChatMessage,
-    HumanMessage,
-    ToolMessage,
     UsageMetadata,
-    convert_to_messages,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import (
     Runnable,
-    RunnableBinding,
-    RunnableConfig,
-    RunnableLambda,
-    RunnableMap,
-    RunnablePassthrough,
 )
-from langchain_core.utils.function_calling import convert_to_json_schema
-from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, sampling_for, structured_request
+from minicpm_pcd_adapters.langchain_structured import (
+    PRECOMPUTED,
+    SCHEMA_KEY,
+    BatchedStructuredOutput,
+    StructuredRequest,
+    engine_schema,
+    parsed_chain,
+    request_text,
+)
+from minicpm_pcd_adapters.langchain_tools import (
+    engine_messages,
+    engine_tools,
+    message_role,
+    message_text,
+    response_schema,
+    tool_call_chunks,
+    tool_message,
+)
+from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, sampling_for
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
 from pcd_engine import Calibration, PCDEngine, PCDError, PCDResult, output_type, require_closed
 
 METHODS = ("json_schema", "function_calling", "json_mode", "pcd")
-SCHEMA_KEY = "pcd_schema"  # bound kwargs of a structured call
-_PRECOMPUTED: contextvars.ContextVar[dict[Any, PCDResult[Any] | PCDError] | None] = contextvars.ContextVar(
-    "pcd_precomputed", default=None
+TOOL_OPTIONS = frozenset(  # what bind_tools, create_agent and with_structured_output bind
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "strict",
+        "ls_structured_output_format",
+    }
 )
-_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
 
 class ChatMiniCPM(BaseChatModel):
@@ -70,7 +79,8 @@ class ChatMiniCPM(BaseChatModel):
     greedy unless `temperature` > 0 (MiniCPM5 recommends temperature 1.0, top_p 0.95, min_p 0.0 for
     sampled chat). `calibration` (from `engine.calibrate`, fitted with the same schema and system
     message) and `abstain_below` apply to structured answers; the message's `response_metadata["pcd"]`
-    then says which fields abstained (`abstained_fields`, `needs_review`).
+    then says which fields abstained (`abstained_fields`, `needs_review`). `tool_calibration` (fitted
+    on `engine.tools.schema(tools, tool_choice)`) and `abstain_below` apply to tool decisions.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -89,6 +99,7 @@ class ChatMiniCPM(BaseChatModel):
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     calibration: Calibration | None = Field(default=None, exclude=True)  # for the structured schema
     abstain_below: float | None = None  # structured fields below this confidence: needs_review
+    tool_calibration: Calibration | None = Field(default=None, exclude=True)  # for bound tools
 
     _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
@@ -115,6 +126,58 @@ class ChatMiniCPM(BaseChatModel):
             params["ls_stop"] = stops
         return params
 
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What `create_agent` reads to pick its structured-output strategy."""
+        return ModelProfile(
+            max_input_tokens=self.engine.limits.max_prompt_tokens if self.engine else 4096,
+            max_output_tokens=self.max_tokens,
+            text_inputs=True,
+            image_inputs=False,
+            audio_inputs=False,
+            pdf_inputs=False,
+            video_inputs=False,
+            text_outputs=True,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=False,  # a call arrives whole, in one chunk
+            structured_output=True,
+        )
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own tokenizer (text encoded as data, no special tokens), no network."""
+        return list(self.load().prompt.encode_text(text))
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """The prompt tokens of these messages as the chat template renders them (and the tools,
+        where the template has a tool protocol)."""
+        rendered = [d["content"] for d in engine_messages(messages)]
+        pairs = [(message_role(m), text) for m, text in zip(messages, rendered, strict=True)]
+        listed = [t.openai() for t in engine_tools(tools)] if tools else ()
+        return len(self.load().prompt.render_messages(pairs, tools=listed))
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Any],
+        *,
+        tool_choice: str | dict[str, Any] | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (BaseTool, functions, Pydantic classes, TypedDicts, OpenAI dicts): each call is
+        then a tool decision scored by the engine, its probabilities in `response_metadata["pcd"]`.
+        `tool_choice`: None/"auto" (a tool or a text answer), "any"/"required"/True, "none", a
+        tool's name or `{"type": "function", "function": {"name": ...}}`. One call per turn: the
+        engine decides one tool, so `parallel_tool_calls` is accepted and never gives more. A
+        `response_format` bound here (create_agent's ProviderStrategy) is answered as JSON content
+        by the engine when the decision is a text answer."""
+        engine_tools(tools)  # bad tools fail here, before any model work
+        bound: dict[str, Any] = {"tools": tuple(tools), "tool_choice": tool_choice, **kwargs}
+        if parallel_tool_calls is not None:
+            bound["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**bound)
+
     def load(self) -> PCDEngine:
         """The engine, loaded on first use (thread-safe)."""
         if self.engine is None:
@@ -132,8 +195,8 @@ class ChatMiniCPM(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        if SCHEMA_KEY in kwargs:
-            return ChatResult(generations=[ChatGeneration(message=self._structured(messages, kwargs))])
+        if _is_bound(kwargs):
+            return ChatResult(generations=[ChatGeneration(message=self._bound(messages, stop, kwargs))])
         options = self._call_options(stop, kwargs)
         result = self.load().generate(_chat_messages(messages), **options)
         message = AIMessage(
@@ -150,9 +213,16 @@ class ChatMiniCPM(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        if SCHEMA_KEY in kwargs:  # the object is known only when it is complete: one chunk
-            whole = self._structured(messages, kwargs)
-            yield ChatGenerationChunk(message=AIMessageChunk(**_fields(whole), chunk_position="last"))
+        if _is_bound(kwargs):  # a call or an object is known when complete: one chunk
+            whole = self._bound(messages, stop, kwargs)
+            last = AIMessageChunk(
+                content=whole.content,
+                usage_metadata=whole.usage_metadata,
+                response_metadata=whole.response_metadata,
+                tool_call_chunks=tool_call_chunks(whole),
+                chunk_position="last",
+            )
+            yield ChatGenerationChunk(message=last)
             return
         options = self._call_options(stop, kwargs)
         for piece in self.load().stream(_chat_messages(messages), **options):
@@ -172,6 +242,9 @@ class ChatMiniCPM(BaseChatModel):
                 )
 
     def _call_options(self, stop: list[str] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """max_tokens, stop and sampling of a call; the tool options of an empty binding (no
+        tools, no answer format) are dropped."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in TOOL_OPTIONS}
         unknown = set(kwargs) - SAMPLING_OPTIONS - {"max_tokens", "model"}
         if unknown:
             raise ValueError(f"ChatMiniCPM got unsupported call arguments: {sorted(unknown)}")
@@ -185,17 +258,48 @@ class ChatMiniCPM(BaseChatModel):
             "sampling": sampling_for(self, kwargs),
         }
 
+    def _bound(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any]
+    ) -> AIMessage:
+        """A call with bound tools or a bound answer format: a tool decision, a structured answer
+        (`with_structured_output`, or a `response_format`), or a JSON object."""
+        if SCHEMA_KEY in kwargs:
+            return self._structured(messages, kwargs)
+        options = self._call_options(stop, kwargs)
+        answer_format = kwargs.get("response_format")
+        schema = response_schema(answer_format) if answer_format is not None else None
+        if kwargs.get("tools"):
+            result = self.load().tools.call(
+                engine_messages(messages),
+                engine_tools(kwargs["tools"]),
+                tool_choice=kwargs.get("tool_choice"),
+                calibration=self.tool_calibration,
+                abstain_below=self.abstain_below,
+                max_tokens=options["max_tokens"],
+                sampling=options["sampling"],
+            )
+            if result.tool is not None or answer_format is None:
+                return tool_message(result, self.model)
+        if schema is not None:  # the text answer is the object
+            return self._structured(messages, {SCHEMA_KEY: schema})
+        generation = self.load().generate(_chat_messages(messages), json_object=True, **options)
+        return AIMessage(  # {"type": "json_object"}: any JSON object
+            content=generation.text,
+            usage_metadata=_usage(generation.prompt_tokens, generation.completion_tokens),
+            response_metadata={"model_name": self.model, "finish_reason": generation.finish_reason},
+        )
+
     def _structured(self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any]) -> AIMessage:
-        request = _Request(kwargs[SCHEMA_KEY], kwargs.get("pcd_method", "json_schema"))
-        instructions, text = _request_text(messages)
-        precomputed = _PRECOMPUTED.get()  # set only inside a structured batch
+        request = StructuredRequest(kwargs[SCHEMA_KEY], kwargs.get("pcd_method", "json_schema"))
+        instructions, text = request_text(messages)
+        precomputed = PRECOMPUTED.get()  # set only inside a structured batch
         found = precomputed.get(request.key(instructions, text)) if precomputed else None
         if found is None:
             found = self._classify([(instructions, text)], request)[0]
         return self._message(found)
 
     def _classify(
-        self, items: Sequence[tuple[str | None, str]], request: _Request
+        self, items: Sequence[tuple[str | None, str]], request: StructuredRequest
     ) -> list[PCDResult[Any] | PCDError]:
         """Answer many (instructions, text) requests with one engine batch per distinct instructions."""
         engine = self.load()
@@ -267,152 +371,27 @@ class ChatMiniCPM(BaseChatModel):
             raise ValueError(f"Received unsupported arguments {kwargs}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        engine_schema = _engine_schema(schema)
-        target = output_type(engine_schema)  # schema errors here, before any model work
+        target = engine_schema(schema)
+        checked = output_type(target)  # schema errors here, before any model work
         if method == "pcd":
-            require_closed(target.model, self.engine.limits if self.engine else None)
+            require_closed(checked.model, self.engine.limits if self.engine else None)
         llm = self.bind(
             ls_structured_output_format={"kwargs": {"method": method, "strict": strict}, "schema": schema},
-            **{SCHEMA_KEY: engine_schema, "pcd_method": method},
+            **{SCHEMA_KEY: target, "pcd_method": method},
         )
-        parser = RunnableLambda(lambda message: _parse(message, schema), name="PCDOutputParser")
-        if include_raw:
-            parsed = RunnablePassthrough.assign(
-                parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
-            )
-            fallback = RunnablePassthrough.assign(parsed=lambda _: None)
-            chain: Runnable = RunnableMap(raw=llm) | parsed.with_fallbacks(
-                [fallback], exception_key="parsing_error"
-            )
-        else:
-            chain = llm | parser
-        return _BatchedStructuredOutput(bound=chain, chat_model=self, request=_Request(engine_schema, method))
+        chain = parsed_chain(llm, schema, include_raw)
+        return BatchedStructuredOutput(
+            bound=chain, chat_model=self, request=StructuredRequest(target, method)
+        )
 
 
-class _Request:
-    """What a structured call asks: the schema given to the engine and the method."""
-
-    def __init__(self, schema: Any, method: str) -> None:
-        self.schema = schema
-        self.method = method
-
-    def key(self, instructions: str | None, text: str) -> tuple[Any, ...]:
-        schema = json.dumps(self.schema, sort_keys=True) if isinstance(self.schema, dict) else self.schema
-        return (schema, self.method, instructions, text)
-
-
-class _BatchedStructuredOutput(RunnableBinding):  # type: ignore[type-arg]
-    """The structured runnable: behaves as its chain, but `batch` / `abatch` answer every input with
-    one engine batch first; the chain's per-input path then picks up the precomputed answers."""
-
-    chat_model: ChatMiniCPM
-    request: Any
-
-    def batch(
-        self,
-        inputs: list[Any],
-        config: RunnableConfig | list[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[Any]:
-        token = _PRECOMPUTED.set(self._precompute(inputs))
-        try:
-            return self.bound.batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        finally:
-            _PRECOMPUTED.reset(token)
-
-    async def abatch(
-        self,
-        inputs: list[Any],
-        config: RunnableConfig | list[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[Any]:
-        answers = await asyncio.get_running_loop().run_in_executor(None, self._precompute, inputs)
-        token = _PRECOMPUTED.set(answers)
-        try:
-            return await self.bound.abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        finally:
-            _PRECOMPUTED.reset(token)
-
-    def _precompute(self, inputs: Sequence[Any]) -> dict[Any, PCDResult[Any] | PCDError]:
-        items = []
-        for value in inputs:
-            try:
-                items.append(_request_text(_input_messages(value)))
-            except (ValueError, TypeError):  # left to the per-input path, which raises it in place
-                continue
-        results = self.chat_model._classify(items, self.request) if items else []
-        return {self.request.key(*item): result for item, result in zip(items, results, strict=True)}
-
-
-def _input_messages(value: LanguageModelInput) -> list[BaseMessage]:
-    """The messages of a chat model's input (a prompt value, a string, or a list of messages)."""
-    if isinstance(value, PromptValue):
-        return value.to_messages()
-    if isinstance(value, str):
-        return [HumanMessage(content=value)]
-    if isinstance(value, Sequence):
-        return convert_to_messages(value)
-    raise ValueError(
-        f"Invalid input type {type(value)}. Must be a PromptValue, str, or list of BaseMessages."
-    )
-
-
-def _engine_schema(schema: Any) -> Any:
-    """What the engine gets: Pydantic v2 classes, TypedDicts and dicts as they are; pydantic.v1
-    classes as their JSON schema."""
-    if isinstance(schema, type) and is_basemodel_subclass(schema) and not issubclass(schema, BaseModel):
-        return convert_to_json_schema(schema)
-    return schema
-
-
-def _parse(message: BaseMessage, schema: Any) -> Any:
-    error = message.response_metadata.get("pcd_error")
-    if error:
-        raise OutputParserException(error, llm_output=str(message.content))
-    text = str(message.content)
-    try:
-        if isinstance(schema, type) and issubclass(schema, BaseModel):
-            return schema.model_validate_json(text)
-        if isinstance(schema, type) and is_basemodel_subclass(schema):  # pydantic.v1
-            return schema.parse_raw(text)  # type: ignore[attr-defined]
-        return json.loads(text)
-    except Exception as parse_error:
-        raise OutputParserException(str(parse_error), llm_output=text) from parse_error
-
-
-def _text(message: BaseMessage) -> str:
-    if isinstance(message.content, str):
-        return message.content
-    parts = []
-    for block in message.content:
-        if isinstance(block, str):
-            parts.append(block)
-        elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
-        else:
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"ChatMiniCPM takes text only; got a {kind!r} content block")
-    return "".join(parts)
-
-
-def _role(message: BaseMessage) -> str:
-    if isinstance(message, ChatMessage):
-        return message.role
-    if isinstance(message, ToolMessage):
-        return "tool"
-    return _ROLES.get(message.type, "user")
+def _is_bound(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call has tools, an answer format or a structured schema bound to it."""
+    return bool(kwargs.get("tools")) or kwargs.get("response_format") is not None or SCHEMA_KEY in kwargs
 
 
 def _chat_messages(messages: Sequence[BaseMessage]) -> list[tuple[str, str]]:
-    return [(_role(m), _text(m)) for m in messages]
-
-
-def _request_text(messages: Sequence[BaseMessage]) -> tuple[str | None, str]:
-    return structured_request(_chat_messages(messages))
+    return [(message_role(m), message_text(m)) for m in messages]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageMetadata:
@@ -421,14 +400,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageMetadata:
         output_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
-
-
-def _fields(message: AIMessage) -> dict[str, Any]:
-    return {
-        "content": message.content,
-        "usage_metadata": message.usage_metadata,
-        "response_metadata": message.response_metadata,
-    }
 
 
 __all__ = ["ChatMiniCPM"]

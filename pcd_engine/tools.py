@@ -66,11 +66,14 @@ ARGUMENT_INSTRUCTIONS = (
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+    """A function the model may call: its name, what it does, and its arguments' JSON schema;
+    `model`, where the arguments are a Pydantic class, validates them (else one is built from
+    `parameters`)."""
 
     name: str
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    model: type[BaseModel] | None = field(default=None, compare=False)
 
     def openai(self) -> dict[str, Any]:
         """The tool as an OpenAI `tools` entry (what chat templates with a tool protocol read)."""
@@ -79,10 +82,16 @@ class Tool:
 
 
 def as_tool(spec: Any) -> Tool:
-    """A Tool from a Tool, an OpenAI `tools` entry (`{"type": "function", "function": {...}}`) or a
-    bare function definition (`{"name", "description", "parameters"}`); InputError otherwise."""
+    """A Tool from a Tool, a Pydantic class (its name, docstring and fields), an OpenAI `tools`
+    entry (`{"type": "function", "function": {...}}`) or a bare function definition (`{"name",
+    "description", "parameters"}`); InputError otherwise."""
     if isinstance(spec, Tool):
         tool = spec
+    elif isinstance(spec, type) and issubclass(spec, BaseModel):
+        parameters = spec.model_json_schema()
+        parameters.pop("title", None)
+        description = str(parameters.pop("description", "") or "")
+        tool = Tool(spec.__name__, description, parameters, spec)
     else:
         if not isinstance(spec, Mapping):
             raise InputError(f"a tool must be a dict or a Tool, got {type(spec).__name__}")
@@ -186,6 +195,13 @@ class ToolPlan:
     instructions: str = ""  # the decision's system instructions
     text_value: str | None = None  # the decision's value for a text answer (None: not allowed)
 
+    @property
+    def forced(self) -> str | None:
+        """The one tool a call must name ("required" with one tool, or a named choice)."""
+        if self.choice.mode == "named" or (self.choice.mode == "required" and len(self.arguments) == 1):
+            return next(iter(self.arguments))
+        return None
+
     def tool_of(self, value: str) -> str | None:
         """The tool a decision value names (None: the text answer)."""
         return None if value == self.text_value else value
@@ -223,7 +239,9 @@ def build_tool_plan(tools: Sequence[Tool], choice: ToolChoice, in_template: bool
 
 def _arguments(tool: Tool, index: int) -> ToolArguments:
     try:
-        model = output_type(dict(tool.parameters)).model
+        model = tool.model or output_type(dict(tool.parameters)).model
+        if not model.model_fields:  # a tool without arguments
+            return ToolArguments(tool, model, (), None)
         compiled = compile_schema(model, allow_open=True)
     except PCDError as error:
         raise InputError(f"tool {tool.name!r}: its parameters cannot be used: {error}") from error
@@ -382,12 +400,26 @@ class ToolCaller:
         arguments are then generated under its schema; a text answer is generated as plain chat.
         `instructions` go before the tool instructions (the messages' system text before both);
         `calibration` (fitted on `schema(tools, tool_choice)`) and `abstain_below` apply to the
-        decision and the scored arguments."""
+        decision and the scored arguments. A choice that leaves one tool ("required" with one
+        tool, or a tool's name) is that tool's structured output: `classify` on its arguments."""
         plan = self.plan(tools, tool_choice)
         system, conversation = self.conversation(messages, plan)
         if plan.schema is None:
             return self._text(system, conversation, plan, None, max_tokens, sampling, logprobs)
         own = [t for t in (system, instructions) if t]
+        forced = plan.arguments[plan.forced] if plan.forced is not None else None
+        if forced is not None and not forced.model.model_fields:  # nothing to ask: no arguments
+            return _forced_call(forced, None)
+        if forced is not None:  # one tool that must be called: its arguments are the answer
+            result = self.engine.classify(
+                conversation,
+                forced.model,
+                instructions="\n\n".join(own) or None,
+                abstain_below=abstain_below,
+                sampling=sampling,
+                logprobs=logprobs,
+            )
+            return _forced_call(forced, result)
         asked = "\n\n".join([*own, plan.instructions])
         scored = self.engine.classify(
             conversation,
@@ -482,6 +514,31 @@ class ToolCaller:
             generation.logprobs,
             plan.text_value,
         )
+
+
+def _forced_call(a: ToolArguments, result: PCDResult[Any] | None) -> ToolCallResult:
+    """A call that must name one tool is that tool's structured output: `classify` on its argument
+    model with the caller's own instructions, what `with_structured_output` asks (`result`; None
+    for a tool without arguments). There is no decision to score (nor to calibrate): the tool
+    field is fixed."""
+    name = a.tool.name
+    decision = FieldResult("tool", name, {name: 1.0}, {name: 0.0}, 1.0, "fixed")
+    if result is None:  # no model work: no prompt tokens processed
+        return ToolCallResult(name, {}, None, decision, {}, "tool_calls", 0, 0)
+    arguments = _without_nulls(a, result.value.model_dump(mode="json", by_alias=True))
+    d = result.diagnostics
+    return ToolCallResult(
+        name,
+        arguments,
+        None,
+        decision,
+        dict(result.fields),
+        "tool_calls",
+        d.prompt_tokens,
+        d.generated_tokens,
+        result,
+        result.token_logprobs,
+    )
 
 
 def _message(message: Any, index: int) -> tuple[str, str, list[Any]]:

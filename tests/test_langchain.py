@@ -35,6 +35,14 @@ class TestChatMiniCPMUnit(ChatModelUnitTests):
     def supports_model_override(self) -> bool:
         return False  # one chat model serves the one model it loaded
 
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
 
 @pytest.mark.slow
 class TestChatMiniCPMIntegration(ChatModelIntegrationTests):
@@ -48,7 +56,15 @@ class TestChatMiniCPMIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False  # no tool calling: structured output goes through the PCD engine instead
+        return True  # the tool (or a text answer) is a scored field: engine.tools.call
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
