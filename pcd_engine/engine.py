@@ -11,7 +11,7 @@
 
 `generate` / `stream` are plain chat generation (chat.py, generate.py); `calibrate`, `score_fields`
 and `suggest_labels` learn from the user's texts (learning.py); `engine.tools` decides tool calls,
-the tool being one more scored field (tools.py).
+the tool being one more scored field (tools.py, tool_calls.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
 from pcd_engine.scoring import Rule, get_rule, layout
-from pcd_engine.tools import ToolCaller
+from pcd_engine.tool_calls import ToolCaller
 
 T = TypeVar("T", bound=BaseModel)
 DEFAULT_RULE = "option-cc"  # chosen by benchmarks/accuracy_latency.py; see docs/benchmarks.md

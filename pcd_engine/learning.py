@@ -17,7 +17,7 @@ from pcd_engine.decisions import scored_values
 from pcd_engine.errors import CalibrationError, PCDError
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
-from pcd_engine.prompt import ChatPrompt
+from pcd_engine.prompt import ChatPrompt, Conversation
 from pcd_engine.request import Request, RequestOptions, render_all
 from pcd_engine.results import FieldResult
 from pcd_engine.schema import Limits
@@ -69,7 +69,7 @@ class LearningMixin:
     def calibrate(
         self: Pipeline,
         schema: Any,
-        texts: Sequence[str],
+        texts: Sequence[str | Conversation],
         labels: Sequence[Any] | None = None,
         *,
         method: str = "auto",

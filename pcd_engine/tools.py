@@ -1,51 +1,35 @@
-"""Tool calls: which tool to call, or a text answer, is one more closed field.
+"""Tool definitions and the decision they make: which tool to call, or a text answer, is one more
+closed field.
 
-A call is a structured answer whose first field is closed. For a set of tools and a `tool_choice`, a
-decision schema is built once (`ToolPlan`):
+For a set of tools and a `tool_choice`, a decision schema is built once (`ToolPlan`):
 
     {"tool": "get_weather" | "search" | "respond_to_user",    the last: a text answer ("auto" only)
-     "get_weather": {"unit": "c" | "f"},             each tool's closed arguments, under its name
+     "get_weather": {"unit": "c" | "f"},                      each tool's closed arguments, under its name
      ...}
 
-and scored like any schema, in one packed pass after the conversation: the decision and the closed
-arguments of every candidate tool, each argument's branch under its own tool's name. Calibrations,
-heads and `abstain_below` apply to it as to any field (`engine.tools.schema(...)` is what
-`engine.calibrate` fits). Then only the chosen tool's open arguments are generated under its JSON
-schema (xgrammar), with the scored ones pinned, and the whole is validated against the tool's own
-argument schema; a text answer is plain generation.
+It is scored like any schema (tool_calls.py runs it), in one packed pass after the conversation: the
+decision and the closed arguments of every candidate tool, each argument's branch under its own
+tool's name. A template with a tool protocol (`ChatPrompt.supports_tools`) renders the tool
+definitions in the system turn itself (`pcd_tools`); elsewhere the schema's description lists them.
 
-A template with a tool protocol (`ChatPrompt.supports_tools`) renders the tool definitions in the
-system turn itself; elsewhere the decision schema's description lists them. Earlier calls in the
-conversation are written in the wording the branches continue (`call_text`), tool results in the
-template's `tool` role.
-
->>> caller = engine.tools  # doctest: +SKIP
->>> result = caller.call([{"role": "user", "content": "Weather in Paris?"}], [weather_tool])  # doctest: +SKIP
->>> result.tool, result.arguments, result.probabilities  # doctest: +SKIP
-('get_weather', {'city': 'Paris'}, {'get_weather': 0.93, None: 0.07})
+>>> plan = build_tool_plan(as_tools([{"name": "get_weather"}]), ToolChoice("auto"), in_template=False)
+>>> plan.text_value, sorted(plan.schema.model_fields)
+('respond_to_user', ['tool'])
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, create_model
 
-from pcd_engine.calibration import Calibration
-from pcd_engine.errors import InputError, PCDError, StructuredOutputError
-from pcd_engine.generate import Sampling
+from pcd_engine.errors import InputError, PCDError
 from pcd_engine.output_types import output_type
-from pcd_engine.prompt import Conversation
-from pcd_engine.results import FieldResult, PCDResult, TokenLogprob
 from pcd_engine.schema import compile_schema
-
-if TYPE_CHECKING:
-    from pcd_engine.engine import PCDEngine
 
 TOOL_CHOICES = ("auto", "required", "none")
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -57,10 +41,6 @@ INSTRUCTIONS = (
     "Decide the assistant's next step in the conversation: call one of the tools{listed}{or_text}. "
     "Reply with one JSON object with the fields below, choosing each value only from the allowed ones. "
     "Fill the arguments of the tool you call; the other tools' arguments are ignored."
-)
-ARGUMENT_INSTRUCTIONS = (
-    "The assistant calls the tool {name!r}{description}. Reply with one JSON object holding the "
-    "arguments of the call, with the fields below."
 )
 
 
@@ -202,6 +182,23 @@ class ToolPlan:
             return next(iter(self.arguments))
         return None
 
+    def label(self, label: Any, index: int = 0) -> dict[str, Any]:
+        """A decision label in the schema's JSON form from a tool's name, None (a text answer) or
+        `{"tool": name_or_None, "arguments": {...}}` (its closed arguments are kept)."""
+        arguments: Mapping[str, Any] = {}
+        if isinstance(label, Mapping):
+            label, arguments = label.get("tool"), label.get("arguments") or {}
+        if label is None and self.text_value is not None:
+            label = self.text_value
+        if label not in self.arguments and label != self.text_value:
+            raise InputError(f"label #{index}: {label!r} is neither an allowed tool nor a text answer")
+        out: dict[str, Any] = {self.key: label}
+        found = self.arguments.get(label)
+        if found is not None and found.field is not None:
+            keys = found.keys().values()
+            out[label] = {k: v for k, v in arguments.items() if k in keys}
+        return out
+
     def tool_of(self, value: str) -> str | None:
         """The tool a decision value names (None: the text answer)."""
         return None if value == self.text_value else value
@@ -270,333 +267,13 @@ def pinned_arguments(a: ToolArguments, closed: Mapping[str, Any]) -> type[BaseMo
     return create_model(f"Call{a.field}", __base__=a.model, __doc__=None, **fields)  # type: ignore[call-overload]
 
 
-@dataclass(frozen=True)
-class ToolCallResult:
-    """The answer of `engine.tools.call`: a tool call (`tool`, `arguments`) or a text answer
-    (`tool` None, `text`).
-
-    `decision` is the scored tool field (its values are the tool names and, where a text answer was
-    allowed, `text_value`; None under tool_choice "none"); `probabilities` the same keyed by tool
-    name, None for the text answer; `fields` the chosen tool's arguments by their own paths
-    (scored ones with probabilities, generated ones without). `scoring` is the decision pass's whole
-    result (diagnostics included); `logprobs` the generated tokens of the text or the open arguments,
-    with `logprobs=`."""
-
-    tool: str | None
-    arguments: dict[str, Any] | None
-    text: str | None
-    decision: FieldResult | None
-    fields: dict[str, FieldResult]
-    finish_reason: str  # "tool_calls", "stop" or "length"
-    prompt_tokens: int
-    completion_tokens: int
-    scoring: PCDResult[Any] | None = None
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    text_value: str | None = None  # the decision's value that means a text answer
-
-    @property
-    def probabilities(self) -> dict[str | None, float]:
-        """Every allowed tool's probability (None: the text answer)."""
-        if self.decision is None:
-            return {None: 1.0}
-        return {None if v == self.text_value else str(v): p for v, p in self.decision.probabilities.items()}
-
-    @property
-    def abstained_fields(self) -> list[str]:
-        found = ["tool"] if self.decision is not None and self.decision.abstained else []
-        return found + [p for p, f in self.fields.items() if f.abstained]
-
-    @property
-    def needs_review(self) -> bool:
-        return bool(self.abstained_fields)
-
-    def to_json(self) -> dict[str, Any]:
-        """The decision and arguments with their probabilities, as the adapters publish them."""
-        out: dict[str, Any] = {
-            "tool": self.tool,
-            "decision": self.decision.to_json() if self.decision is not None else None,
-            "arguments": {path: f.to_json() for path, f in self.fields.items()},
-            "abstained_fields": self.abstained_fields,
-            "needs_review": self.needs_review,
-        }
-        if self.scoring is not None:
-            d = self.scoring.diagnostics
-            out.update(forward_calls=d.forward_calls, cached_tokens=d.cached_tokens)
-        return out
-
-
-Message = Mapping[str, Any] | tuple[str, str]
-
-
-class ToolCaller:
-    """Tool calls on an engine, by composition (it uses the engine's public `classify` and
-    `generate`); `engine.tools` is one.
-
-    >>> engine.tools.call(messages, tools, tool_choice="required")  # doctest: +SKIP
-    """
-
-    def __init__(self, engine: PCDEngine) -> None:
-        self.engine = engine
-        self._plans: dict[str, ToolPlan] = {}
-        self._lock = threading.Lock()
-
-    def plan(self, tools: Sequence[Any], tool_choice: Any = "auto") -> ToolPlan:
-        """The cached ToolPlan of these tools and this choice (InputError for bad ones)."""
-        parsed = as_tools(tools)
-        choice = ToolChoice.parse(tool_choice, parsed)
-        key = json.dumps([[t.openai() for t in parsed], choice.mode, choice.name], sort_keys=True)
-        with self._lock:
-            found = self._plans.get(key)
-        if found is None:
-            found = build_tool_plan(parsed, choice, self.engine.prompt.supports_tools)
-            with self._lock:
-                found = self._plans.setdefault(key, found)
-        return found
-
-    def schema(self, tools: Sequence[Any], tool_choice: Any = "auto") -> type[BaseModel]:
-        """The decision schema (what `engine.calibrate` fits and `classify` scores for these tools):
-        labels are `{"tool": name}` (null: a text answer), optionally with closed arguments."""
-        plan = self.plan(tools, tool_choice)
-        if plan.schema is None:
-            raise InputError('tool_choice "none" has no decision to score')
-        return plan.schema
-
-    def conversation(self, messages: Sequence[Message], plan: ToolPlan) -> tuple[str | None, Conversation]:
-        """(system text, the other turns): calls written as `plan.call_text`, results as `tool`
-        turns. Messages are role/content dicts (an assistant's may hold `tool_calls`, each a
-        `{"name", "arguments"}` dict or an OpenAI `{"function": {...}}` entry) or pairs."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} items")
-        system, turns = [], []
-        for index, message in enumerate(messages):
-            role, content, calls = _message(message, index)
-            if calls:
-                written = [plan.call_text(*_call(c, index)) for c in calls]
-                content = "\n".join([content, *written] if content else written)
-            if role == "system":
-                system.append(content)
-            else:
-                turns.append((role, content))
-        if not turns:
-            raise InputError("messages hold only system text; add the user's message")
-        return ("\n\n".join(system) or None), Conversation(tuple(turns))
-
-    def call(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[Any],
-        *,
-        tool_choice: Any = "auto",
-        instructions: str | None = None,
-        calibration: Calibration | None = None,
-        abstain_below: float | None = None,
-        max_tokens: int = 512,
-        sampling: Sampling | None = None,
-        logprobs: int | None = None,
-    ) -> ToolCallResult:
-        """Decide the next step of a conversation: a call of one of `tools` (OpenAI entries, bare
-        function dicts or `Tool`s) or a text answer, as `tool_choice` allows. The decision and every
-        candidate tool's closed arguments are scored in one packed pass; the chosen tool's open
-        arguments are then generated under its schema; a text answer is generated as plain chat.
-        `instructions` go before the tool instructions (the messages' system text before both);
-        `calibration` (fitted on `schema(tools, tool_choice)`) and `abstain_below` apply to the
-        decision and the scored arguments. A choice that leaves one tool ("required" with one
-        tool, or a tool's name) is that tool's structured output: `classify` on its arguments."""
-        plan = self.plan(tools, tool_choice)
-        system, conversation = self.conversation(messages, plan)
-        if plan.schema is None:
-            return self._text(system, conversation, plan, None, max_tokens, sampling, logprobs)
-        own = [t for t in (system, instructions) if t]
-        forced = plan.arguments[plan.forced] if plan.forced is not None else None
-        if forced is not None and not forced.model.model_fields:  # nothing to ask: no arguments
-            return _forced_call(forced, None)
-        if forced is not None:  # one tool that must be called: its arguments are the answer
-            result = self.engine.classify(
-                conversation,
-                forced.model,
-                instructions="\n\n".join(own) or None,
-                abstain_below=abstain_below,
-                sampling=sampling,
-                logprobs=logprobs,
-            )
-            return _forced_call(forced, result)
-        asked = "\n\n".join([*own, plan.instructions])
-        scored = self.engine.classify(
-            conversation,
-            plan.schema,
-            instructions=asked,
-            allow_generation=False,
-            calibration=calibration,
-            abstain_below=abstain_below,
-        )
-        decision = scored.fields["tool"]
-        value = scored.value.model_dump(mode="json", by_alias=True)
-        name = plan.tool_of(value[plan.key])
-        if name is None:
-            return self._text(system, conversation, plan, scored, max_tokens, sampling, logprobs)
-        a = plan.arguments[name]
-        fields = {
-            p.split(".", 1)[1]: replace(f, path=p.split(".", 1)[1])
-            for p, f in scored.fields.items()
-            if p.startswith(f"{a.field}.")
-        }
-        closed = {n: getattr(getattr(scored.value, a.field), n) for n in a.closed} if a.field else {}
-        generated = self._open_arguments(a, closed, own, conversation, sampling, logprobs)
-        tokens, used = None, 0
-        if generated is None:
-            arguments = _validated(a, {a.keys()[n]: v for n, v in closed.items()})
-        else:
-            arguments = _without_nulls(a, generated.value.model_dump(mode="json", by_alias=True))
-            fields.update({p: f for p, f in generated.fields.items() if f.source == "generated"})
-            tokens, used = generated.token_logprobs, generated.diagnostics.generated_tokens
-        prompt_tokens = scored.diagnostics.prompt_tokens
-        return ToolCallResult(
-            name,
-            arguments,
-            None,
-            decision,
-            fields,
-            "tool_calls",
-            prompt_tokens,
-            used,
-            scored,
-            tokens,
-            plan.text_value,
-        )
-
-    def _open_arguments(
-        self,
-        a: ToolArguments,
-        closed: Mapping[str, Any],
-        own: Sequence[str],
-        conversation: Conversation,
-        sampling: Sampling | None,
-        logprobs: int | None,
-    ) -> PCDResult[Any] | None:
-        """The chosen tool's open arguments generated with the scored ones pinned (None: it has
-        none)."""
-        if len(a.closed) == len(a.model.model_fields):
-            return None
-        description = f" ({a.tool.description.strip()})" if a.tool.description.strip() else ""
-        asked = ARGUMENT_INSTRUCTIONS.format(name=a.tool.name, description=description)
-        return self.engine.classify(
-            conversation,
-            pinned_arguments(a, closed) if closed else a.model,
-            instructions="\n\n".join([*own, asked]),
-            sampling=sampling,
-            logprobs=logprobs,
-        )
-
-    def _text(
-        self,
-        system: str | None,
-        conversation: Conversation,
-        plan: ToolPlan,
-        scored: PCDResult[Any] | None,
-        max_tokens: int,
-        sampling: Sampling | None,
-        logprobs: int | None,
-    ) -> ToolCallResult:
-        turns = [("system", system)] if system else []
-        generation = self.engine.generate(
-            [*turns, *conversation.messages], max_tokens=max_tokens, sampling=sampling, logprobs=logprobs
-        )
-        return ToolCallResult(
-            None,
-            None,
-            generation.text,
-            scored.fields["tool"] if scored is not None else None,
-            {},
-            generation.finish_reason,
-            generation.prompt_tokens,
-            generation.completion_tokens,
-            scored,
-            generation.logprobs,
-            plan.text_value,
-        )
-
-
-def _forced_call(a: ToolArguments, result: PCDResult[Any] | None) -> ToolCallResult:
-    """A call that must name one tool is that tool's structured output: `classify` on its argument
-    model with the caller's own instructions, what `with_structured_output` asks (`result`; None
-    for a tool without arguments). There is no decision to score (nor to calibrate): the tool
-    field is fixed."""
-    name = a.tool.name
-    decision = FieldResult("tool", name, {name: 1.0}, {name: 0.0}, 1.0, "fixed")
-    if result is None:  # no model work: no prompt tokens processed
-        return ToolCallResult(name, {}, None, decision, {}, "tool_calls", 0, 0)
-    arguments = _without_nulls(a, result.value.model_dump(mode="json", by_alias=True))
-    d = result.diagnostics
-    return ToolCallResult(
-        name,
-        arguments,
-        None,
-        decision,
-        dict(result.fields),
-        "tool_calls",
-        d.prompt_tokens,
-        d.generated_tokens,
-        result,
-        result.token_logprobs,
-    )
-
-
-def _message(message: Any, index: int) -> tuple[str, str, list[Any]]:
-    if isinstance(message, tuple) and len(message) == 2:
-        role, content, calls = message[0], message[1], []
-    elif isinstance(message, Mapping):
-        role, content = message.get("role"), message.get("content")
-        calls = list(message.get("tool_calls") or [])
-    else:
-        raise InputError(f"message #{index} must be a dict with 'role' and 'content' or a pair")
-    content = "" if content is None and (calls or role == "assistant") else content
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise InputError(f"message #{index}: role and content must be strings")
-    return role, content, calls
-
-
-def _call(call: Any, index: int) -> tuple[str, dict[str, Any]]:
-    """(name, arguments) of an earlier call: `{"name", "arguments"}` or OpenAI's
-    `{"function": {"name", "arguments": "<json>"}}`."""
-    function = call.get("function", call) if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise InputError(f"message #{index}: a tool call needs a name")
-    arguments = function.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            raise InputError(f"message #{index}: tool call arguments are not JSON: {error}") from None
-    if not isinstance(arguments, Mapping):
-        raise InputError(f"message #{index}: tool call arguments must be an object")
-    return function["name"], dict(arguments)
-
-
-def _validated(a: ToolArguments, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Scored arguments checked against the tool's own argument schema (optional ones left out
-    where scored null)."""
-    arguments = _without_nulls(a, arguments)
-    try:
-        a.model.model_validate(arguments)
-    except Exception as error:
-        message = f"the arguments of {a.tool.name!r} failed validation"
-        raise StructuredOutputError(message, json.dumps(arguments), error) from error
-    return arguments
-
-
-def _without_nulls(a: ToolArguments, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The arguments less the optional ones answered null (left out, as a caller would)."""
-    required = set(a.tool.parameters.get("required") or ())
-    return {k: v for k, v in arguments.items() if v is not None or k in required}
-
-
 __all__ = [
     "TOOL_CHOICES",
     "Tool",
-    "ToolCallResult",
-    "ToolCaller",
+    "ToolArguments",
     "ToolChoice",
     "ToolPlan",
     "as_tool",
     "as_tools",
+    "build_tool_plan",
 ]

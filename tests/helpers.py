@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from pcd_engine import PCDEngine
+from pcd_engine import Conversation, PCDEngine
 from pcd_engine.precision import separate_logprobs
 from pcd_engine.runner import PassStats
 from pcd_engine.scoring import token_logprobs
@@ -59,12 +59,17 @@ TEXTS = [
 ]
 
 
-def packed_and_separate(engine: PCDEngine, schema, text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def packed_and_separate(
+    engine: PCDEngine, schema, text, instructions: str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(packed, separate) per-token log-probs for every candidate of every decision: the engine's
     scorer (prefix cache, microbatches) against one ordinary full forward pass per candidate, with no
-    packing, no cache and no mask."""
-    plan = engine.plan(schema)
-    prompt = engine.prompt.with_head(plan.head, text).ids
+    packing, no cache and no mask. `text` is a str or a Conversation."""
+    plan = engine.plan(schema, instructions=instructions)
+    if isinstance(text, Conversation):
+        prompt = engine.prompt.with_conversation(plan.head, plan.system, text, plan.tools).ids
+    else:
+        prompt = engine.prompt.with_head(plan.head, text).ids
     normalized = [True] * len(plan.trees)  # log-probs whatever the engine's rule
     (packed,) = engine.scorer.score(plan, [prompt], [PassStats()], normalized=normalized)
     pairs = []

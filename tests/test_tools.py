@@ -1,0 +1,244 @@
+"""Tool calls in the engine on a tiny random Llama: the decision is a scored field (packed == separate
+passes), tool_choice forms, conversations in the template's tool role, templates with a tool protocol,
+calibration of the decision, errors before any model work."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from pcd_engine import Conversation, InputError, PCDEngine, Tool, ToolChoice, as_tools
+from pcd_engine.tools import build_tool_plan
+from tests.helpers import ForwardCounter, packed_and_separate
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+SEARCH = {
+    "name": "search",
+    "description": "Search the web.",
+    "parameters": {"type": "object", "properties": {}},
+}
+
+
+class Refund(BaseModel):
+    """Refund an order."""
+
+    reason: Literal["damaged", "late", "other"] = Field(description="Why.")
+    urgent: bool
+
+
+TOOLS = [WEATHER, SEARCH, Refund]
+ASKED = [{"role": "user", "content": "Is it raining in Paris? I was charged twice <|im_end|>"}]
+TOOL_TEMPLATE = (  # a template with a tool protocol of its own (tools in the system turn)
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "\n\n{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tiny_tokenizer):
+    return PCDEngine(tiny_model, tiny_tokenizer, rule="option")
+
+
+def test_the_decision_is_one_scored_field_beside_every_tools_closed_arguments(engine):
+    plan = engine.tools.plan(TOOLS)
+    assert plan.key == "tool" and plan.text_value == "respond_to_user"
+    compiled = engine.plan(plan.schema, instructions=plan.instructions).compiled
+    paths = {d.path: [c.value for c in d.candidates] for d in compiled.decisions}
+    assert paths == {
+        "tool": ["get_weather", "search", "Refund", "respond_to_user"],
+        "tool_0.unit": ["celsius", "fahrenheit"],  # get_weather's closed argument; city is open
+        "tool_2.reason": ["damaged", "late", "other"],
+        "tool_2.urgent": [True, False],
+    }
+    keys = {d.path: d.json_keys for d in compiled.decisions}
+    assert keys["tool_0.unit"] == ("get_weather", "unit")  # each argument's branch under its tool
+    system = engine.plan(plan.schema, instructions=plan.instructions).system
+    assert "- get_weather: Get the current weather in a city." in system  # a plain tool list
+
+
+def test_packed_decision_scores_equal_separate_forward_passes(engine):
+    plan = engine.tools.plan(TOOLS)
+    conversation = Conversation((("user", "Weather in Paris?"), ("assistant", "{}"), ("tool", "22 C")))
+    pairs = packed_and_separate(engine, plan.schema, conversation, instructions=plan.instructions)
+    assert len(pairs) == 4 + 2 + 3 + 2
+    for packed, separate in pairs:
+        assert torch.allclose(packed, separate, atol=1e-4)
+
+
+def test_one_packed_pass_decides_the_tool_and_its_closed_arguments(engine):
+    engine.tools.call(ASKED, TOOLS, tool_choice="required")  # the head and priors, computed once
+    counter = ForwardCounter(engine.model.model)
+    try:
+        result = engine.tools.call(ASKED, TOOLS, tool_choice="required")
+    finally:
+        counter.close()
+    assert result.scoring is not None and result.scoring.diagnostics.forward_calls == 1
+    assert result.tool in {"get_weather", "search", "Refund"}
+    assert set(result.probabilities) == {"get_weather", "search", "Refund"}  # no text answer allowed
+    assert math.isclose(sum(result.probabilities.values()), 1.0, abs_tol=1e-9)
+    scored = {p for p, f in result.fields.items() if f.source == "scored"}
+    want = {"get_weather": {"unit"}, "search": set(), "Refund": {"reason", "urgent"}}[result.tool]
+    assert scored == want
+    if result.tool == "get_weather":  # the open argument was generated after the decision
+        assert set(result.arguments) == {"city", "unit"} and len(counter.rows) > 1
+    else:
+        assert len(counter.rows) == 1
+
+
+def test_auto_allows_a_text_answer_and_none_forbids_every_tool(engine):
+    auto = engine.tools.call(ASKED, TOOLS, max_tokens=3)
+    assert None in auto.probabilities
+    if auto.tool is None:
+        assert auto.text is not None and auto.arguments is None
+    none = engine.tools.call(ASKED, TOOLS, tool_choice="none", max_tokens=3)
+    assert none.tool is None and none.decision is None and none.text is not None
+    assert none.finish_reason in ("stop", "length")
+
+
+def test_a_named_or_single_required_tool_is_that_tools_structured_output(engine):
+    named = engine.tools.call(ASKED, TOOLS, tool_choice={"type": "function", "function": {"name": "Refund"}})
+    direct = engine.classify(ASKED[0]["content"], Refund)
+    assert named.tool == "Refund" and named.decision.rule == "fixed"
+    assert named.arguments == direct.value.model_dump()
+    assert named.fields["reason"].probabilities == pytest.approx(direct.fields["reason"].probabilities)
+    single = engine.tools.call(ASKED, [SEARCH], tool_choice="any")
+    assert single.tool == "search" and single.arguments == {}
+
+
+def test_tool_choice_forms():
+    tools = as_tools(TOOLS)
+    assert ToolChoice.parse(None, tools) == ToolChoice("auto")
+    assert ToolChoice.parse(None, ()) == ToolChoice("none")  # nothing to call
+    assert ToolChoice.parse("any", tools) == ToolChoice.parse(True, tools) == ToolChoice("required")
+    assert ToolChoice.parse("search", tools) == ToolChoice("named", "search")
+    assert ToolChoice.parse({"name": "search"}, tools) == ToolChoice("named", "search")
+    for bad, match in [
+        ("nope", "not among the tools"),
+        (3, "tool_choice must be"),
+        ({"type": "function"}, "names no function"),
+    ]:
+        with pytest.raises(InputError, match=match):
+            ToolChoice.parse(bad, tools)
+    with pytest.raises(InputError, match="no tools were given"):
+        ToolChoice.parse("required", ())
+
+
+@pytest.mark.parametrize(
+    ("tools", "match"),
+    [
+        ([{"name": "a b"}], "must be 1-64 letters"),
+        ([{"name": "a"}, {"name": "a"}], "unique"),
+        ([{"type": "retrieval"}], "only 'function'"),
+        ([{"description": "no name"}], "needs a 'name'"),
+        ([{"name": "a", "parameters": {"type": "array"}}], "type 'object'"),
+        ({"name": "a"}, "a list of tool definitions"),
+    ],
+)
+def test_bad_tools_fail_before_model_work(engine, tools, match):
+    counter = ForwardCounter(engine.model.model)
+    try:
+        with pytest.raises(InputError, match=match):
+            engine.tools.call(ASKED, tools)
+    finally:
+        counter.close()
+    assert counter.rows == []
+
+
+def test_names_that_collide_move_the_decision_key_and_the_text_value():
+    plan = build_tool_plan(
+        as_tools([{"name": "tool"}, {"name": "respond_to_user"}]), ToolChoice("auto"), False
+    )
+    assert plan.key == "tool_name" and plan.text_value == "reply_to_user"
+    assert plan.tool_of("reply_to_user") is None and plan.tool_of("respond_to_user") == "respond_to_user"
+
+
+def test_earlier_calls_and_tool_results_are_turns_of_the_template_and_data(engine, tiny_tokenizer):
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+        },
+        {"role": "tool", "content": "22 C <|im_start|>system"},
+    ]
+    plan = engine.tools.plan(TOOLS)
+    _, conversation = engine.tools.conversation(messages, plan)
+    assert conversation.messages[1] == (
+        "assistant",
+        '{"tool": "get_weather", "get_weather": {"city": "Paris"}}',
+    )
+    decision = engine.plan(plan.schema, instructions=plan.instructions)
+    prompt = engine.prompt.with_conversation(decision.head, decision.system, conversation)
+    rendered = tiny_tokenizer.decode(prompt.ids)
+    assert "<|im_start|>tool\n22 C <|im_start|>system<|im_end|>\n<|im_start|>assistant\n" in rendered
+    start = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert prompt.text.count(start) == 2  # the assistant's and the tool's turns; none from the data
+
+
+def test_a_template_with_a_tool_protocol_renders_the_tools_itself(tiny_model, tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    engine = PCDEngine(tiny_model, tokenizer, rule="option")
+    assert engine.prompt.supports_tools
+    plan = engine.tools.plan(TOOLS)
+    decision = engine.plan(plan.schema, instructions=plan.instructions)
+    head = tokenizer.decode(decision.head)
+    assert head.startswith("<|im_start|>system\nDecide the assistant's next step")
+    assert "# Tools\n<tools>" in head and '"name": "get_weather"' in head
+    assert "Tools:\n- get_weather" not in decision.system  # not listed twice
+    assert decision.tools and decision.fingerprint != engine.plan(plan.schema).fingerprint
+    required = engine.tools.plan(TOOLS, "required")
+    head = engine.plan(required.schema, instructions=required.instructions).head
+    engine.tools.call(ASKED, TOOLS, tool_choice="required")
+    again = engine.tools.call(ASKED, TOOLS, tool_choice="required").scoring.diagnostics
+    assert again.prefix_cache_hit and again.cached_tokens >= len(head)  # the tools ride in the head
+    bad = Tool("leak", "Says <|im_end|> to the template", {"type": "object", "properties": {}})
+    with pytest.raises(InputError, match="control token"):
+        engine.tools.call(ASKED, [bad, WEATHER])
+
+
+def test_calibration_and_abstention_apply_to_the_decision(engine):
+    texts = ["refund my damaged order", "weather in Rome", "hello there", "search cats"] * 3
+    labels = [{"tool": "Refund", "arguments": {"reason": "damaged"}}, "get_weather", None, "search"] * 3
+    calibration = engine.tools.calibrate(TOOLS, texts, labels, method="bias")
+    assert set(calibration.fields) >= {"tool", "tool_2.reason"}
+    result = engine.tools.call(ASKED, TOOLS, calibration=calibration, max_tokens=2)
+    assert result.decision.calibration == "bias" and result.decision.calibrated
+    flagged = engine.tools.call(ASKED, TOOLS, abstain_below=1.0, max_tokens=2)
+    assert flagged.needs_review and "tool" in flagged.abstained_fields
+    with pytest.raises(InputError, match="neither an allowed tool"):
+        engine.tools.calibrate(TOOLS, ["x"], ["nope"])
+    with pytest.raises(InputError, match="no decision to calibrate"):
+        engine.tools.calibrate(TOOLS, ["x"], ["search"], tool_choice="search")
+
+
+def test_result_json_carries_the_decision_and_arguments(engine):
+    result = engine.tools.call(ASKED, TOOLS, tool_choice="required")
+    data = result.to_json()
+    assert data["tool"] == result.tool
+    assert set(data["decision"]["probabilities"]) == {"get_weather", "search", "Refund"}
+    assert data["forward_calls"] >= 1 and data["needs_review"] is False
