@@ -1,6 +1,12 @@
-"""LlamaIndex: `MiniCPMLLM` (a CustomLLM) and `MiniCPMPCDProgram` (a Pydantic program) on the PCD engine.
+"""LlamaIndex: `MiniCPMLLM` (a FunctionCallingLLM) and `MiniCPMPCDProgram` (a Pydantic program) on the
+PCD engine.
 
-Chat and completion calls use `PCDEngine.generate` / `stream`. Every structured path of LlamaIndex
+Chat and completion calls use `PCDEngine.generate` / `stream`. Function calling (`chat_with_tools` and
+its async and streaming forms, `predict_and_call`, `FunctionCallingProgram`, `FunctionAgent`) runs
+`engine.tools.call`: the tool, or a text answer, scored with the candidate tools' closed arguments
+(llama_index_tools.py). A prompt that ends with a PydanticOutputParser's schema
+(`LLMTextCompletionProgram`) is answered by `engine.classify` on that schema. Every structured path of
+LlamaIndex
 (`llm.structured_predict`, `astructured_predict`, `stream_structured_predict`, `as_structured_llm`,
 response synthesizers with `output_cls`, programs) reaches `MiniCPMPCDProgram`, which formats the
 prompt with LlamaIndex's own templates and answers with `engine.classify`: closed fields scored, open
@@ -14,6 +20,7 @@ Ticket(topic='billing', ...)
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
@@ -41,12 +48,20 @@ from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictStartEvent,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import LLM
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.settings import Settings
+from llama_index.core.tools import ToolSelection
 from llama_index.core.types import BasePydanticProgram, Model
 
+from minicpm_pcd_adapters.llama_index_tools import (
+    engine_messages,
+    engine_tools,
+    parser_schema,
+    tool_response,
+    tool_selections,
+)
 from minicpm_pcd_adapters.messages import sampling_for, structured_request
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
 from pcd_engine import Calibration, PCDEngine, PCDResult, Sampling, require_closed
@@ -54,11 +69,13 @@ from pcd_engine import Calibration, PCDEngine, PCDResult, Sampling, require_clos
 dispatcher = get_dispatcher(__name__)
 
 
-class MiniCPMLLM(CustomLLM):
-    """A local chat LLM (MiniCPM5-2B by default) whose structured output runs the PCD engine.
+class MiniCPMLLM(FunctionCallingLLM):
+    """A local chat LLM (MiniCPM5-2B by default) whose structured output and tool calls run the PCD
+    engine.
 
     `model` is a hub id (pinned `revision`), a local folder or a GGUF file (`gguf_file`); or pass
-    `engine`, an already loaded `PCDEngine`. Decoding is greedy unless `temperature` > 0.
+    `engine`, an already loaded `PCDEngine`. Decoding is greedy unless `temperature` > 0. One tool
+    call per turn: the engine decides one tool, whatever `allow_parallel_tool_calls` says.
     """
 
     model: str = Field(default=MINICPM5_2B.hub_id, description="Hub id, local folder or model name.")
@@ -79,6 +96,9 @@ class MiniCPMLLM(CustomLLM):
     abstain_below: float | None = Field(
         default=None, description="Structured fields below this confidence are marked abstained."
     )
+    tool_calibration: Calibration | None = Field(
+        default=None, exclude=True, description="Calibration (engine.tools.calibrate) of tool decisions."
+    )
 
     _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
@@ -93,7 +113,7 @@ class MiniCPMLLM(CustomLLM):
             num_output=self.max_tokens,
             model_name=self.model,
             is_chat_model=True,
-            is_function_calling_model=False,
+            is_function_calling_model=True,
         )
 
     def load(self) -> PCDEngine:
@@ -118,6 +138,19 @@ class MiniCPMLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        if kwargs.get("tools"):
+            return self._tool_call(messages, kwargs)
+        found = parser_schema(messages)
+        if found is not None:  # LLMTextCompletionProgram: the parser's schema, answered by the engine
+            asked, schema = found
+            instructions, text = structured_request(_pairs(asked))
+            answer = self.load().classify(text, schema, instructions=instructions, **self._structured(kwargs))
+            content = json.dumps(answer.value, ensure_ascii=False)
+            return ChatResponse(
+                message=ChatMessage(role=MessageRole.ASSISTANT, content=content),
+                raw={"pcd": answer.to_json()},
+                additional_kwargs={"pcd": answer.to_json()},
+            )
         result = self.load().generate(_pairs(messages), **self._options(kwargs))
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
@@ -127,6 +160,10 @@ class MiniCPMLLM(CustomLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        if kwargs.get("tools"):  # a decision is known whole: one response
+            whole = self._tool_call(messages, kwargs)
+            whole.delta = whole.message.content or ""
+            return (response for response in [whole])
         pieces = self.load().stream(_pairs(messages), **self._options(kwargs))
 
         def gen() -> ChatResponseGen:
@@ -171,6 +208,59 @@ class MiniCPMLLM(CustomLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
+
+    # -- function calling --------------------------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The chat call of `chat_with_tools`: the history, the user's message, the tools and the
+        choice ("required" when `tool_required`)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(
+                ChatMessage(role=MessageRole.USER, content=user_msg)
+                if isinstance(user_msg, str)
+                else user_msg
+            )
+        choice = "required" if tool_required and tool_choice is None else tool_choice
+        return {"messages": messages, "tools": list(tools), "tool_choice": choice, **kwargs}
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        calls = tool_selections(response)
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"Expected at least one tool call, but got {len(calls)} tool calls.")
+        return calls
+
+    def _tool_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        options = self._options({k: v for k, v in kwargs.items() if k not in ("tools", "tool_choice")})
+        result = self.load().tools.call(
+            engine_messages(messages),
+            engine_tools(kwargs["tools"]),
+            tool_choice=kwargs.get("tool_choice"),
+            calibration=self.tool_calibration,
+            abstain_below=self.abstain_below,
+            max_tokens=options["max_tokens"],
+            sampling=options["sampling"],
+        )
+        return tool_response(result)
+
+    def _structured(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "sampling": self.sampling(**kwargs),
+            "calibration": self.calibration,
+            "abstain_below": self.abstain_below,
+        }
 
     # -- structured output: every path goes through MiniCPMPCDProgram ------------------------
 
@@ -265,7 +355,8 @@ class MiniCPMPCDProgram(BasePydanticProgram[Model]):
     ) -> MiniCPMPCDProgram[Model]:
         if (prompt is None) == (prompt_template_str is None):
             raise ValueError("Must provide either prompt or prompt_template_str.")
-        chosen = llm or Settings.llm
+        configured = Settings._llm  # not Settings.llm: that would build LlamaIndex's OpenAI default
+        chosen = llm or (configured if isinstance(configured, MiniCPMLLM) else MiniCPMLLM())
         template = prompt if prompt is not None else PromptTemplate(str(prompt_template_str))
         return cls(output_cls, template, chosen, allow_generation, verbose)  # type: ignore[arg-type]
 
@@ -290,9 +381,7 @@ class MiniCPMPCDProgram(BasePydanticProgram[Model]):
             self._output_cls,
             instructions=instructions,
             allow_generation=self._allow_generation,
-            sampling=self._llm.sampling(**(llm_kwargs or {})),
-            calibration=self._llm.calibration,
-            abstain_below=self._llm.abstain_below,
+            **self._llm._structured(llm_kwargs or {}),
         )
         self.last_result = result
         if self._verbose:

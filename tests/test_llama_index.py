@@ -32,7 +32,7 @@ class Open(BaseModel):
 def test_metadata_and_errors_need_no_model():
     llm = MiniCPMLLM(model="not/loaded", max_tokens=7)
     meta = llm.metadata
-    assert meta.is_chat_model and not meta.is_function_calling_model
+    assert meta.is_chat_model and meta.is_function_calling_model
     assert meta.num_output == 7 and meta.model_name == "not/loaded"
     with pytest.raises(UnsupportedSchemaError, match="'summary'"):  # checked before any loading
         MiniCPMPCDProgram.from_defaults(Open, prompt_template_str="{text}", llm=llm, allow_generation=False)
