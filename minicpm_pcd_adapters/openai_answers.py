@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minicpm_pcd_adapters.openai_protocol import ClassifyCall
-from pcd_engine import Generation, PCDResult, TokenLogprob
+from minicpm_pcd_adapters.openai_protocol import ClassifyCall, ToolCall
+from pcd_engine import FieldResult, Generation, PCDResult, TokenLogprob, ToolCallResult
 
 
 @dataclass
@@ -85,7 +85,10 @@ def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -
         "cached_tokens": d.cached_tokens,
     }
     finish = "stop" if call.tool is None else "tool_calls"
-    logprobs = None if call.logprobs is None else scored_logprobs(result, call.logprobs)
+    fields = list(result.fields.values())
+    logprobs = (
+        None if call.logprobs is None else scored_logprobs(fields, result.token_logprobs, call.logprobs)
+    )
     return {
         "index": index,
         "message": message,
@@ -95,26 +98,52 @@ def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -
     }
 
 
-def scored_logprobs(result: PCDResult[Any], top: int) -> dict[str, Any]:
-    """OpenAI's `choice.logprobs` for a structured answer. First, per scored field in answer order,
-    one entry whose `token` is the chosen value as written in the JSON answer and whose `logprob` is
-    the log of its (calibrated) probability; `top_logprobs` lists the field's `top` most probable
-    values, most probable first. Then the tokens generated for the open fields (the JSON text after
-    the scored values), each with the model's log-probability and its `top` alternatives."""
+def tool_message(call: ToolCall, result: ToolCallResult, index: int) -> dict[str, Any]:
+    """The choice of a tool decision: one `tool_calls` entry, or the text answer; `pcd` holds the
+    decision's probabilities (every tool's, "" for the text answer) and the scored arguments."""
+    message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+    if result.tool is not None:
+        arguments = json.dumps(result.arguments or {}, ensure_ascii=False)
+        function = {"name": result.tool, "arguments": arguments}
+        message["tool_calls"] = [
+            {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
+        ]
+    extension = result.to_json()
+    extension["probabilities"] = {k if k is not None else "": p for k, p in result.probabilities.items()}
+    decided = [result.decision] if result.decision is not None else []
+    fields = [*decided, *result.fields.values()]
+    logprobs = None if call.logprobs is None else scored_logprobs(fields, result.logprobs, call.logprobs)
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": result.finish_reason,
+        "logprobs": logprobs,
+        "pcd": extension,
+    }
+
+
+def scored_logprobs(
+    fields: Sequence[FieldResult], generated: Sequence[TokenLogprob] | None, top: int
+) -> dict[str, Any]:
+    """OpenAI's `choice.logprobs` for a structured answer or a tool decision. First, per scored
+    field in answer order, one entry whose `token` is the chosen value as written in the JSON answer
+    and whose `logprob` is the log of its (calibrated) probability; `top_logprobs` lists the field's
+    `top` most probable values, most probable first. Then the generated tokens (the open fields'
+    JSON text after the scored values, or a text answer), each with the model's log-probability and
+    its `top` alternatives."""
 
     def entry(value: Any, p: float) -> dict[str, Any]:
         return _entry(json.dumps(value, ensure_ascii=False), math.log(p) if p > 0 else -9999.0)
 
     content = []
-    for f in result.fields.values():
+    for f in fields:
         if f.source != "scored":
             continue
         ranked = sorted(f.probabilities.items(), key=lambda kv: -kv[1])[:top]
         content.append(
             {**entry(f.value, f.probabilities[f.value]), "top_logprobs": [entry(v, p) for v, p in ranked]}
         )
-    generated = token_logprobs(result.token_logprobs or (), top)
-    return {"content": content + generated["content"], "refusal": None}
+    return {"content": content + token_logprobs(generated or (), top)["content"], "refusal": None}
 
 
 def token_logprobs(tokens: Sequence[TokenLogprob], top: int) -> dict[str, Any]:

@@ -4,6 +4,8 @@
 `parse_request(body, limits)` reads the JSON body (Pydantic checks its shape) and returns one of:
 - `ClassifyCall`: a `json_schema` response format, or a forced tool call (one function, named by
   `tool_choice` or `"required"`): the engine classifies the conversation's text with that schema;
+- `ToolCall`: tools the model chooses between (`tool_choice` "auto", or "required" between several):
+  the engine scores which tool to call, or a text answer, and the chosen tool's closed arguments;
 - `GenerateCall`: plain chat, or `json_object` (grammar-constrained JSON).
 Anything it cannot honour raises `APIError` (HTTP 400 with OpenAI's error body: message, type, param,
 code) before any model work. The per-field scores go in an extension object on each choice,
@@ -67,11 +69,25 @@ class _TextPart(_Strict):
     text: str
 
 
+class _CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class _EarlierCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # id, type
+
+    function: _CalledFunction
+
+
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal, tool_calls: no text we use
+    model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal, tool_call_id: no text we use
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
+    tool_calls: list[_EarlierCall] | None = None  # an assistant's earlier calls
 
 
 class _JsonSchema(_Strict):
@@ -175,6 +191,24 @@ class ClassifyCall:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """Decide between `tools` (and a text answer under "auto") for the conversation `messages`
+    (role/content dicts, earlier calls as `tool_calls`): `engine.tools.call`."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]  # OpenAI `tools` entries
+    tool_choice: str  # "auto" or "required"
+    sampling: Sampling  # for generated arguments and text answers
+    max_tokens: int
+    n: int = 1
+    abstain_below: float | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
 class GenerateCall:
     model: str
     messages: list[tuple[str, str]]
@@ -190,7 +224,7 @@ class GenerateCall:
 
 def parse_request(
     body: Any, limits: RequestLimits, default_max_tokens: int = 512
-) -> ClassifyCall | GenerateCall:
+) -> ClassifyCall | GenerateCall | ToolCall:
     """The call a Chat Completions body asks for; APIError (400) for anything not honoured."""
     if not isinstance(body, Mapping):
         raise APIError(400, "the request body must be a JSON object")
@@ -198,7 +232,8 @@ def parse_request(
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as error:
         raise _shape_error(error) from None
-    structured = _structured_target(request)
+    decided = _tool_decision(request)
+    structured = None if decided else _structured_target(request)
     _refuse_unsupported(request, limits)
     messages = _message_pairs(request, limits)
     sampling = _sampling(request)
@@ -208,10 +243,17 @@ def parse_request(
     if request.stream_options is not None and not stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None  # the engine's `logprobs=`
+    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+    abstain = request.pcd.abstain_below if request.pcd else None
+    if decided is not None:
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+        turns = _engine_messages(request, messages)
+        return ToolCall(
+            request.model, turns, tools, decided, sampling, max_tokens, n, abstain, stream, usage, logprobs
+        )
     if structured is not None:
         schema, tool, param = structured
         instructions, text = structured_request(messages)
-        abstain = request.pcd.abstain_below if request.pcd else None
         return ClassifyCall(
             request.model,
             schema,
@@ -227,7 +269,6 @@ def parse_request(
             logprobs=logprobs,
         )
     json_object = request.response_format is not None and request.response_format.type == "json_object"
-    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return GenerateCall(
         request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs
@@ -284,6 +325,30 @@ def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> lis
     return pairs
 
 
+def _tool_decision(request: ChatCompletionRequest) -> str | None:
+    """ "auto" or "required" when the model chooses between the tools (several, or one or none);
+    None for no tools, "none", or a call forced to one function (a `ClassifyCall`)."""
+    tools, choice = request.tools or [], request.tool_choice
+    if not tools or not (choice in (None, "auto") or (choice == "required" and len(tools) > 1)):
+        return None
+    if request.response_format is not None and request.response_format.type != "text":
+        raise APIError(400, "use either tools or response_format, not both", param="response_format")
+    return "auto" if choice is None else str(choice)
+
+
+def _engine_messages(request: ChatCompletionRequest, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The messages as the engine's role/content dicts, an assistant's earlier calls included."""
+    out: list[dict[str, Any]] = []
+    for message, (role, content) in zip(request.messages, pairs, strict=True):
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
+            ]
+        out.append(entry)
+    return out
+
+
 def _sampling(request: ChatCompletionRequest) -> Sampling:
     return Sampling(
         temperature=request.temperature or 0.0,
@@ -305,30 +370,15 @@ def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], 
                     400,
                     f"tool_choice names {choice.function.name!r}, which is not in tools",
                     param="tool_choice",
+                    code="invalid_value",
                 )
-        elif choice == "required" and len(tools) == 1:
+        else:  # "required" with one tool (several, or "auto", are a ToolCall)
             index = 0
-        else:
-            raise APIError(
-                400,
-                f"tool_choice {choice!r} is not supported: this server answers forced tool calls only; "
-                "name the function in tool_choice, or send one tool with tool_choice 'required'",
-                param="tool_choice",
-                code="unsupported_value",
-            )
         function = tools[index].function
         definition = {"name": function.name, "parameters": function.parameters or {"type": "object"}}
         if function.description:
             definition["description"] = function.description
         return definition, function.name, f"tools.{index}.function.parameters"
-    if tools and choice is None:
-        raise APIError(
-            400,
-            "tools without tool_choice let the model choose whether to call one, which this server does "
-            "not do: set tool_choice to the function (or 'required' with one tool), or 'none'",
-            param="tool_choice",
-            code="unsupported_value",
-        )
     if format_ is not None and format_.type == "json_schema":
         if format_.json_schema is None:
             raise APIError(

@@ -41,6 +41,7 @@ from minicpm_pcd_adapters.openai_answers import (
     delta_chunks,
     generated_choice,
     token_logprobs,
+    tool_message,
     usage,
 )
 from minicpm_pcd_adapters.openai_protocol import (
@@ -48,6 +49,7 @@ from minicpm_pcd_adapters.openai_protocol import (
     ClassifyCall,
     GenerateCall,
     RequestLimits,
+    ToolCall,
     parse_request,
 )
 from minicpm_pcd_adapters.server_calibrations import Calibrations
@@ -121,13 +123,15 @@ class Completions:
             except ValueError as error:
                 raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
             call = parse_request(body, self.limits, self.settings.max_tokens)
-            kind = "classify" if isinstance(call, ClassifyCall) else "generate"
+            kind = {ClassifyCall: "classify", ToolCall: "tools"}.get(type(call), "generate")
             if call.model != self.settings.model_name:
                 served = self.settings.model_name
                 message = f"the model {call.model!r} does not exist; this server serves {served!r}"
                 raise APIError(404, message, param="model", code="model_not_found")
             if isinstance(call, ClassifyCall):
                 response = await self._classify(call, request)
+            elif isinstance(call, ToolCall):
+                response = await self._tool_call(call, request)
             elif call.stream:
                 response = await self._stream_generation(call)
             else:
@@ -155,21 +159,29 @@ class Completions:
         answers = [classified_message(call, r, i) for i, r in enumerate(results)]
         for answer in answers:
             answer["pcd"]["calibration"] = self.calibrations.describe(call.calibration)
-        answer_usage = classified_usage(results)
-        completion = Completion(call.model)
-        if not call.stream:
-            return JSONResponse(completion.body(answers, answer_usage))
-        chunks = []
-        for answer in answers:  # a structured answer is known only when whole: one content chunk
-            index = answer["index"]
-            deltas = delta_chunks(answer["message"], index)
-            deltas[-1]["logprobs"] = answer["logprobs"]  # on the chunk that carries the content
-            chunks += [completion.chunk([delta]) for delta in deltas]
-            end = choice_delta(index, {}, answer["finish_reason"])
-            chunks.append(completion.chunk([{**end, "pcd": answer["pcd"]}]))
-        if call.include_usage:
-            chunks.append(completion.chunk([], answer_usage))
-        return _event_stream(_replayed(chunks))
+        return _answered(call, answers, classified_usage(results))
+
+    async def _tool_call(self, call: ToolCall, request: Request) -> Response:
+        """A tool decision (or text answer) per choice, on the model worker."""
+
+        def decide() -> list[Any]:
+            return [
+                self.engine.tools.call(
+                    call.messages,
+                    call.tools,
+                    tool_choice=call.tool_choice,
+                    abstain_below=call.abstain_below,
+                    max_tokens=call.max_tokens,
+                    sampling=_nth(call, index),
+                    logprobs=call.logprobs,
+                )
+                for index in range(call.n)
+            ]
+
+        results = await _while_connected(request, self._queued(self.batcher.exclusive(decide)))
+        answers = [tool_message(call, r, i) for i, r in enumerate(results)]
+        tokens = usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results))
+        return _answered(call, answers, tokens)
 
     async def _generate(self, call: GenerateCall, request: Request) -> Response:
         job = self.batcher.exclusive(lambda: _generations(self.engine, call))
@@ -360,7 +372,7 @@ def _generations(engine: PCDEngine, call: GenerateCall) -> list[Generation]:
     ]
 
 
-def _nth(call: GenerateCall, index: int) -> Any:
+def _nth(call: GenerateCall | ToolCall, index: int) -> Any:
     """The sampling of the index-th choice: a given seed is offset so that choices differ."""
     seed = call.sampling.seed
     return call.sampling if seed is None else dataclasses.replace(call.sampling, seed=seed + index)
@@ -396,6 +408,27 @@ async def _while_connected(request: Request, work: Any) -> Any:
     return task.result()
 
 
+def _answered(
+    call: ClassifyCall | ToolCall, answers: list[dict[str, Any]], tokens: dict[str, Any]
+) -> Response:
+    """Whole answers as one completion, or replayed as stream events: a structured answer or a
+    decision is known only when whole, so each choice is one content (or tool call) chunk."""
+    completion = Completion(call.model)
+    if not call.stream:
+        return JSONResponse(completion.body(answers, tokens))
+    chunks = []
+    for answer in answers:
+        index = answer["index"]
+        deltas = delta_chunks(answer["message"], index)
+        deltas[-1]["logprobs"] = answer["logprobs"]  # on the chunk that carries the content
+        chunks += [completion.chunk([delta]) for delta in deltas]
+        end = choice_delta(index, {}, answer["finish_reason"])
+        chunks.append(completion.chunk([{**end, "pcd": answer["pcd"]}]))
+    if call.include_usage:
+        chunks.append(completion.chunk([], tokens))
+    return _event_stream(_replayed(chunks))
+
+
 async def _replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     for chunk in chunks:
         yield chunk
@@ -408,10 +441,3 @@ def _event_stream(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def serve(engine: PCDEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the app with uvicorn until interrupted."""
-    import uvicorn
-
-    uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="info")

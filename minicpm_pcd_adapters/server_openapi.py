@@ -130,12 +130,26 @@ class PCDExtension(BaseModel):
     calibration: CalibrationUsed | None
 
 
+class ToolDecisionExtension(BaseModel):
+    """`choice.pcd` of a tool decision: the tool called (null: a text answer), every allowed tool's
+    probability ("" for the text answer), the decision and the chosen tool's arguments as fields."""
+
+    tool: str | None
+    probabilities: dict[str, float]
+    decision: FieldAnswer | None
+    arguments: dict[str, FieldAnswer]
+    needs_review: bool
+    abstained_fields: list[str]
+    forward_calls: int | None = None
+    cached_tokens: int | None = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: Logprobs | None
-    pcd: PCDExtension | None = None  # structured answers only
+    pcd: PCDExtension | ToolDecisionExtension | None = None  # structured answers and tool decisions
 
 
 class PromptTokensDetails(BaseModel):
@@ -174,7 +188,7 @@ class ChunkChoice(BaseModel):
     delta: Delta
     finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: Logprobs | None
-    pcd: PCDExtension | None = None  # a structured answer's, on the chunk with its finish_reason
+    pcd: PCDExtension | ToolDecisionExtension | None = None  # on the chunk with its finish_reason
 
 
 class ChatCompletionChunk(BaseModel):

@@ -172,11 +172,11 @@ def test_n_answers_and_models(client, server):
                 "model": "tiny",
                 "messages": [{"role": "user", "content": "x"}],
                 "tools": [{"type": "function", "function": {"name": "a"}}],
-                "tool_choice": "auto",
+                "tool_choice": {"type": "function", "function": {"name": "b"}},
             },
             400,
             "tool_choice",
-            "unsupported_value",
+            "invalid_value",
         ),
         (
             {"model": "tiny", "messages": [{"role": "user", "content": "   "}], "response_format": FORMAT},
@@ -434,3 +434,75 @@ def test_generated_open_fields_carry_their_tokens_logprobs(client, engine):
         [t.logprob for t in reference.token_logprobs], abs=1e-4
     )
     assert "".join(e.token for e in generated).startswith(' "')  # the summary's JSON text follows
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "route", "description": "Route a message.", "parameters": ROUTE},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Find an order.",
+            "parameters": {"type": "object", "properties": {"order": {"type": "string", "maxLength": 8}}},
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tools_the_model_chooses_between_equal_the_in_process_decision(client, engine, choice):
+    messages = [{"role": "user", "content": TEXTS[1]}]
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, tool_choice=choice, logprobs=True, top_logprobs=3
+    )
+    (answer,) = response.choices
+    reference = engine.tools.call(messages, TOOLS, tool_choice=choice, logprobs=3)
+    pcd = answer.pcd
+    allowed = {"route", "lookup"} | ({""} if choice == "auto" else set())
+    assert set(pcd["probabilities"]) == allowed
+    for name, p in reference.probabilities.items():
+        assert pcd["probabilities"][name if name is not None else ""] == pytest.approx(p, abs=1e-4)
+    assert pcd["tool"] == reference.tool
+    first = answer.logprobs.content[0]  # the decision, then the arguments and generated tokens
+    assert first.token == json.dumps(reference.decision.value)
+    assert len(first.top_logprobs) == min(3, len(allowed))
+    if reference.tool is None:
+        assert answer.finish_reason in ("stop", "length") and answer.message.content == reference.text
+        assert not answer.message.tool_calls
+    else:
+        (call,) = answer.message.tool_calls
+        assert answer.finish_reason == "tool_calls" and call.id.startswith("call_")
+        assert call.function.name == reference.tool
+        assert json.loads(call.function.arguments) == reference.arguments
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, tool_choice=choice, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == answer.finish_reason
+    assert chunks[-1].choices[0].pcd["tool"] == reference.tool
+
+
+def test_a_conversation_with_an_earlier_call_and_its_result_reaches_the_decision(client, engine):
+    messages = [
+        {"role": "user", "content": "Where is order 42?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": '{"order": "42"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "shipped on Monday"},
+    ]
+    response = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=4)
+    reference = engine.tools.call(messages, TOOLS, max_tokens=4)
+    assert response.choices[0].pcd["probabilities"] == pytest.approx(
+        {k if k is not None else "": p for k, p in reference.probabilities.items()}, abs=1e-4
+    )

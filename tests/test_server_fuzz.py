@@ -75,6 +75,19 @@ def structured(case):
     return case
 
 
+def decided(case):
+    """The case with tools the model chooses between (its own fuzzed tools where it has some):
+    its options then reach the tool decision path."""
+    if isinstance(case.body, dict):
+        case.body = {k: v for k, v in case.body.items() if k != "response_format"}
+        case.body["tools"] = case.body.get("tools") or [
+            {"type": "function", "function": {"name": "route", "parameters": ROUTE}},
+            {"type": "function", "function": {"name": "lookup", "description": "Find an order."}},
+        ]
+        case.body["tool_choice"] = "auto"
+    return case
+
+
 POST = "POST /v1/chat/completions"
 
 
@@ -85,15 +98,18 @@ POST = "POST /v1/chat/completions"
         (POST, GenerationMode.POSITIVE, 100),
         (POST, GenerationMode.NEGATIVE, 100),  # the one operation taking a body
         (POST + " structured", GenerationMode.POSITIVE, 100),
+        (POST + " tools", GenerationMode.POSITIVE, 60),
     ],
 )
 def test_the_api_answers_what_its_document_says(api, url, label, mode, examples):
     """Schemathesis' cases (Hypothesis drives them; schemathesis' pytest plugin does not run on
     pytest 9), valid bodies and invalid ones alike, each answered and checked."""
-    operation = api.find_operation_by_label(label.removesuffix(" structured"))
+    operation = api.find_operation_by_label(label.removesuffix(" structured").removesuffix(" tools"))
     cases = operation.as_strategy(generation_mode=mode)
     if label.endswith("structured"):
         cases = cases.map(structured)
+    if label.endswith("tools"):
+        cases = cases.map(decided)
     extra = [checks.negative_data_rejection] if mode == GenerationMode.NEGATIVE else []
 
     @given(case=cases)
