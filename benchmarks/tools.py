@@ -7,13 +7,15 @@ Tool sets built from the development data (../shared/data):
   - banking77: its 77 intents as 77 tools without arguments.
 Systems, on the same texts, each warmed up on one text first (per-text latency of a warm call):
   - ours: `engine.tools.call(..., tool_choice="required")`: the decision and every tool's closed
-    arguments in one packed pass;
+    arguments in one packed pass; and the same under "auto" (a text answer allowed, counted a miss);
   - ours after `--labels N`: a calibration (`engine.tools.calibrate`, method auto) fitted on N labeled
     rows that are never scored;
-  - llama.cpp (`--llamacpp`, the [bench] extra): `create_chat_completion(tools=..., tool_choice=...)`
-    with llama-cpp-python's `chatml-function-calling` format (SmolLM2's template is ChatML);
-  - transformers + xgrammar: greedy AR of `{"tool": ..., "arguments": {...}}` under the grammar of
-    the tools' JSON schemas (anyOf), after the same prompt as ours.
+  - llama.cpp (`--llamacpp`, the [bench] extra), on the same GGUF file:
+    - function calling, `create_chat_completion(tools=..., tool_choice="auto")` with llama-cpp-python's
+      `chatml-function-calling` format (SmolLM2's template is ChatML; the format has no "required");
+    - grammar JSON of one call (`{"tool": ..., "arguments": {...}}`, any tool's schema as a GBNF
+      grammar) after our decision prompt: the "required" counterpart;
+  - transformers + xgrammar: greedy AR of the same call JSON under the same schema, after our prompt.
 Prints routing accuracy, argument accuracy (bitext), median warm latency and the median of per-text
 latency ratios (baseline / ours).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -99,23 +102,21 @@ class Routed:
 
 
 def run_ours(
-    engine: PCDEngine, tools: list[dict[str, Any]], calibration: Any = None
+    engine: PCDEngine, tools: list[dict[str, Any]], calibration: Any = None, choice: str = "required"
 ) -> Callable[[str], Routed]:
     def call(text: str) -> Routed:
         started = time.perf_counter()
         result = engine.tools.call(
-            [{"role": "user", "content": text}], tools, tool_choice="required", calibration=calibration
+            [{"role": "user", "content": text}], tools, tool_choice=choice, calibration=calibration
         )
         return Routed(time.perf_counter() - started, result.tool, result.arguments)
 
     return call
 
 
-def run_xgrammar(engine: PCDEngine, tools: list[dict[str, Any]], max_new: int) -> Callable[[str], Routed]:
-    """Greedy AR JSON of one call under the grammar of every tool's arguments, after our prompt."""
-    import xgrammar as xgr
-
-    schema = {
+def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call: `{"tool": name, "arguments": {...}}` for any of the tools."""
+    return {
         "anyOf": [
             {
                 "type": "object",
@@ -128,16 +129,37 @@ def run_xgrammar(engine: PCDEngine, tools: list[dict[str, Any]], max_new: int) -
             for t in tools
         ]
     }
+
+
+def decision_messages(engine: PCDEngine, tools: list[dict[str, Any]], text: str) -> list[dict[str, str]]:
+    """Our decision prompt as messages (the system text lists the tools), for the AR baselines."""
+    plan = engine.tools.plan(tools, "required")
+    system = engine.plan(plan.schema, instructions=plan.instructions).system
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
+
+
+def parsed(seconds: float, raw: str) -> Routed:
+    try:
+        data = json.loads(raw)
+        return Routed(seconds, data.get("tool"), data.get("arguments"))
+    except (json.JSONDecodeError, AttributeError):
+        return Routed(seconds, None, None)
+
+
+def run_xgrammar(engine: PCDEngine, tools: list[dict[str, Any]], max_new: int) -> Callable[[str], Routed]:
+    """Greedy AR JSON of one call under the grammar of every tool's arguments, after our prompt."""
+    import xgrammar as xgr
+
+    schema = call_schema(tools)
     info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.model.config.vocab_size)
     grammar = xgr.GrammarCompiler(info).compile_json_schema(
         json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
     )
-    plan = engine.tools.plan(tools, "required")
-    decision = engine.plan(plan.schema, instructions=plan.instructions)
     eos = [engine.tokenizer.convert_tokens_to_ids("<|im_end|>"), engine.tokenizer.eos_token_id]
 
     def call(text: str) -> Routed:
-        ids = torch.tensor([engine.prompt.with_head(decision.head, text).ids])
+        pairs = [(m["role"], m["content"]) for m in decision_messages(engine, tools, text)]
+        ids = torch.tensor([engine.prompt.render_messages(pairs)])
         started = time.perf_counter()
         with torch.inference_mode():
             out = engine.model.generate(
@@ -150,21 +172,15 @@ def run_xgrammar(engine: PCDEngine, tools: list[dict[str, Any]], max_new: int) -
                 logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
             )
         seconds = time.perf_counter() - started
-        raw = engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        try:
-            data = json.loads(raw)
-            return Routed(seconds, data.get("tool"), data.get("arguments"))
-        except json.JSONDecodeError:
-            return Routed(seconds, None, None)
+        return parsed(seconds, engine.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
     return call
 
 
 def run_llamacpp(tools: list[dict[str, Any]], threads: int | None, max_new: int) -> Callable[[str], Routed]:
-    """llama-cpp-python's function calling on the same GGUF file: the model picks a tool ("auto"; this
-    format has no "required") and writes its arguments under the tool's grammar."""
-    import os
-
+    """llama-cpp-python's function calling on the same GGUF file (`chatml-function-calling`): the
+    model first picks `functions.<name>:` or `message:` under a grammar, then writes the arguments
+    under the tool's grammar. This format has "auto" and a named tool, no "required"."""
     from llama_cpp import Llama
 
     from minicpm_pcd_adapters.smollm2 import smollm2_gguf_path
@@ -196,6 +212,29 @@ def run_llamacpp(tools: list[dict[str, Any]], threads: int | None, max_new: int)
         except json.JSONDecodeError:
             arguments = None
         return Routed(seconds, function["name"], arguments)
+
+    return call
+
+
+def run_llamacpp_json(
+    engine: PCDEngine, tools: list[dict[str, Any]], threads: int | None, max_new: int
+) -> Callable[[str], Routed]:
+    """llama.cpp grammar JSON of one call (the JSON schema of any tool's call as a GBNF grammar) after
+    our decision prompt, on the same GGUF file: the "required" counterpart of function calling."""
+    from benchmarks.llamacpp import load_llama
+
+    llama = load_llama(threads)
+    response_format = {"type": "json_object", "schema": call_schema(tools)}
+
+    def call(text: str) -> Routed:
+        started = time.perf_counter()
+        answer = llama.create_chat_completion(
+            messages=decision_messages(engine, tools, text),
+            response_format=response_format,
+            temperature=0.0,
+            max_tokens=max_new,
+        )
+        return parsed(time.perf_counter() - started, answer["choices"][0]["message"]["content"] or "")
 
     return call
 
@@ -248,7 +287,7 @@ def main() -> None:
         if set(map(id, scored)) & set(map(id, labeled)):
             raise SystemExit("--limit and --labels overlap: the labeled rows must never be scored")
         tools, label_of = tool_set(set_name, rows)
-        results = measure("pcd", run_ours(engine, tools), scored, set_name)
+        results = measure("pcd, required", run_ours(engine, tools), scored, set_name)
         if labeled:
             started = time.perf_counter()
             calibration = engine.tools.calibrate(
@@ -259,16 +298,29 @@ def main() -> None:
                 file=sys.stderr,
             )
             results |= measure(
-                f"pcd + {len(labeled)} labels", run_ours(engine, tools, calibration), scored, set_name
+                f"pcd + {len(labeled)} labels, required",
+                run_ours(engine, tools, calibration),
+                scored,
+                set_name,
             )
+        results |= measure("pcd, auto", run_ours(engine, tools, choice="auto"), scored, set_name)
         max_new = 48 if set_name == "bitext_customer_support" else 32
         if args.llamacpp:
             results |= measure(
-                "llama.cpp function calling", run_llamacpp(tools, args.threads, max_new), scored, set_name
+                "llama.cpp function calling, auto",
+                run_llamacpp(tools, args.threads, max_new),
+                scored,
+                set_name,
+            )
+            results |= measure(
+                "llama.cpp grammar JSON, required",
+                run_llamacpp_json(engine, tools, args.threads, max_new),
+                scored,
+                set_name,
             )
         if not args.no_xgrammar:
             results |= measure(
-                "transformers + xgrammar", run_xgrammar(engine, tools, max_new), scored, set_name
+                "transformers + xgrammar, required", run_xgrammar(engine, tools, max_new), scored, set_name
             )
         report[set_name] = results
         print_table(set_name, len(tools), results)
@@ -278,9 +330,11 @@ def main() -> None:
 
 def print_table(set_name: str, count: int, results: dict[str, Any]) -> None:
     print(f"\n## {set_name}: {count} tools (SmolLM2-135M-Instruct, CPU, fp32)")
-    print("| system | texts | routing acc | intent acc | median warm ms | latency ratio vs pcd |")
+    print(
+        "| system, tool_choice | texts | routing acc | intent acc | median warm ms | ratio vs pcd, required |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
-    ours = results["pcd"]["seconds"]
+    ours = results["pcd, required"]["seconds"]
     for label, r in results.items():
         ratio = statistics.median(b / a for a, b in zip(ours, r["seconds"], strict=True))
         intent = f"{r['intent']:.3f}" if "intent" in r else "-"

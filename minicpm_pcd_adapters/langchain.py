@@ -172,7 +172,8 @@ class ChatMiniCPM(BaseChatModel):
         engine decides one tool, so `parallel_tool_calls` is accepted and never gives more. A
         `response_format` bound here (create_agent's ProviderStrategy) is answered as JSON content
         by the engine when the decision is a text answer."""
-        engine_tools(tools)  # bad tools fail here, before any model work
+        for each in tools:  # a bad tool fails here; names are checked unique when a call is made
+            engine_tools([each])
         bound: dict[str, Any] = {"tools": tuple(tools), "tool_choice": tool_choice, **kwargs}
         if parallel_tool_calls is not None:
             bound["parallel_tool_calls"] = parallel_tool_calls

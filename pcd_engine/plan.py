@@ -161,8 +161,11 @@ def build_plan(
         examples = tuple((text, plain_answer(compiled, answer)) for text, answer in examples)
     # A tool decision's schema (tools.py) carries its tool definitions: a template with a tool
     # protocol renders them in the head; elsewhere the schema's description lists them.
-    tools = tuple(getattr(compiled.schema, "pcd_tools", ())) if prompt.supports_tools else ()
-    head = prompt.render_head(system, examples, tools)
+    tools = tuple(getattr(compiled.schema, "pcd_tools", ()))
+    if tools and prompt.supports_tools:
+        head = prompt.render_head(system, examples, tools)
+    else:
+        head, tools = prompt.render_head(system, examples), ()
     return SchemaPlan(compiled, system, head, tuple(plans), schema, examples, wording, tools)
 
 

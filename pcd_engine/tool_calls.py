@@ -20,7 +20,7 @@ import json
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -30,9 +30,6 @@ from pcd_engine.generate import Sampling
 from pcd_engine.prompt import Conversation
 from pcd_engine.results import FieldResult, PCDResult, TokenLogprob
 from pcd_engine.tools import ToolArguments, ToolChoice, ToolPlan, as_tools, build_tool_plan, pinned_arguments
-
-if TYPE_CHECKING:
-    from pcd_engine.engine import PCDEngine
 
 ARGUMENT_INSTRUCTIONS = (
     "The assistant calls the tool {name!r}{description}. Reply with one JSON object holding the "
@@ -105,8 +102,8 @@ class ToolCaller:
     >>> engine.tools.call(messages, tools, tool_choice="required")  # doctest: +SKIP
     """
 
-    def __init__(self, engine: PCDEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # the PCDEngine (typed loosely: engine.py imports this module)
         self._plans: dict[str, ToolPlan] = {}
         self._lock = threading.Lock()
 
@@ -124,8 +121,10 @@ class ToolCaller:
         return found
 
     def schema(self, tools: Sequence[Any], tool_choice: Any = "auto") -> type[BaseModel]:
-        """The decision schema (what `engine.calibrate` fits and `classify` scores for these tools):
-        labels are `{"tool": name}` (null: a text answer), optionally with closed arguments."""
+        """The decision schema (what `classify` scores for these tools, with the plan's
+        `instructions`). Its labels, in its JSON form, are `{"tool": name}` (the plan's `text_value`
+        for a text answer) with closed arguments under the tool's name; `calibrate` takes them in a
+        friendlier form."""
         plan = self.plan(tools, tool_choice)
         if plan.schema is None:
             raise InputError('tool_choice "none" has no decision to score')
