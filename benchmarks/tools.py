@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.data import load_set
 from minicpm_pcd_adapters import load_smollm2
-from pcd_engine import PCDEngine
+from pcd_engine import DEFAULT_RULE, PCDEngine
 
 BITEXT = "bitext_customer_support"
 CATEGORIES = {  # bitext's categories as tools: what each one does
@@ -102,12 +102,20 @@ class Routed:
 
 
 def run_ours(
-    engine: PCDEngine, tools: list[dict[str, Any]], calibration: Any = None, choice: str = "required"
+    engine: PCDEngine,
+    tools: list[dict[str, Any]],
+    calibration: Any = None,
+    choice: str = "required",
+    rule: str = DEFAULT_RULE,
 ) -> Callable[[str], Routed]:
     def call(text: str) -> Routed:
         started = time.perf_counter()
         result = engine.tools.call(
-            [{"role": "user", "content": text}], tools, tool_choice=choice, calibration=calibration
+            [{"role": "user", "content": text}],
+            tools,
+            tool_choice=choice,
+            calibration=calibration,
+            rule=rule,
         )
         return Routed(time.perf_counter() - started, result.tool, result.arguments)
 
@@ -272,6 +280,7 @@ def main() -> None:
         "--labels", type=int, default=50, help="labeled rows for the calibration (the last rows)"
     )
     parser.add_argument("--sets", nargs="*", default=["bitext_customer_support", "banking77"])
+    parser.add_argument("--rules", nargs="*", default=[DEFAULT_RULE], help="our scoring rules to measure")
     parser.add_argument("--llamacpp", action="store_true", help="add llama.cpp function calling ([bench])")
     parser.add_argument("--no-xgrammar", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
@@ -287,23 +296,26 @@ def main() -> None:
         if set(map(id, scored)) & set(map(id, labeled)):
             raise SystemExit("--limit and --labels overlap: the labeled rows must never be scored")
         tools, label_of = tool_set(set_name, rows)
-        results = measure("pcd, required", run_ours(engine, tools), scored, set_name)
-        if labeled:
-            started = time.perf_counter()
-            calibration = engine.tools.calibrate(
-                tools, [r["text"] for r in labeled], [label_of(r) for r in labeled], tool_choice="required"
-            )
-            print(
-                f"[{set_name}] calibrated on {len(labeled)} labels in {time.perf_counter() - started:.0f} s",
-                file=sys.stderr,
-            )
+        results: dict[str, Any] = {}
+        for rule in args.rules:
+            tag = f"pcd {rule}"
+            results |= measure(f"{tag}, required", run_ours(engine, tools, rule=rule), scored, set_name)
+            if labeled:
+                started = time.perf_counter()
+                calibration = engine.tools.calibrate(
+                    tools,
+                    [r["text"] for r in labeled],
+                    [label_of(r) for r in labeled],
+                    tool_choice="required",
+                    rule=rule,
+                )
+                seconds = time.perf_counter() - started
+                print(f"[{set_name}] {tag}: calibrated on {len(labeled)} in {seconds:.0f} s", file=sys.stderr)
+                ours = run_ours(engine, tools, calibration, rule=rule)
+                results |= measure(f"{tag} + {len(labeled)} labels, required", ours, scored, set_name)
             results |= measure(
-                f"pcd + {len(labeled)} labels, required",
-                run_ours(engine, tools, calibration),
-                scored,
-                set_name,
+                f"{tag}, auto", run_ours(engine, tools, choice="auto", rule=rule), scored, set_name
             )
-        results |= measure("pcd, auto", run_ours(engine, tools, choice="auto"), scored, set_name)
         max_new = 48 if set_name == "bitext_customer_support" else 32
         if args.llamacpp:
             results |= measure(
@@ -330,11 +342,10 @@ def main() -> None:
 
 def print_table(set_name: str, count: int, results: dict[str, Any]) -> None:
     print(f"\n## {set_name}: {count} tools (SmolLM2-135M-Instruct, CPU, fp32)")
-    print(
-        "| system, tool_choice | texts | routing acc | intent acc | median warm ms | ratio vs pcd, required |"
-    )
+    first = next(iter(results))
+    print(f"| system, tool_choice | texts | routing acc | intent acc | median warm ms | ratio vs {first} |")
     print("|---|---:|---:|---:|---:|---:|")
-    ours = results["pcd, required"]["seconds"]
+    ours = results[first]["seconds"]
     for label, r in results.items():
         ratio = statistics.median(b / a for a, b in zip(ours, r["seconds"], strict=True))
         intent = f"{r['intent']:.3f}" if "intent" in r else "-"

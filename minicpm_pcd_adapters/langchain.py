@@ -54,7 +54,7 @@ from minicpm_pcd_adapters.langchain_tools import (
     tool_call_chunks,
     tool_message,
 )
-from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, sampling_for
+from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, decide_tools, sampling_for
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
 from pcd_engine import Calibration, PCDEngine, PCDError, PCDResult, output_type, require_closed
 
@@ -270,15 +270,8 @@ class ChatMiniCPM(BaseChatModel):
         answer_format = kwargs.get("response_format")
         schema = response_schema(answer_format) if answer_format is not None else None
         if kwargs.get("tools"):
-            result = self.load().tools.call(
-                engine_messages(messages),
-                engine_tools(kwargs["tools"]),
-                tool_choice=kwargs.get("tool_choice"),
-                calibration=self.tool_calibration,
-                abstain_below=self.abstain_below,
-                max_tokens=options["max_tokens"],
-                sampling=options["sampling"],
-            )
+            tools = engine_tools(kwargs["tools"])
+            result = decide_tools(self, engine_messages(messages), tools, kwargs.get("tool_choice"), options)
             if result.tool is not None or answer_format is None:
                 return tool_message(result, self.model)
         if schema is not None:  # the text answer is the object

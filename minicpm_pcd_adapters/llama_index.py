@@ -62,7 +62,7 @@ from minicpm_pcd_adapters.llama_index_tools import (
     tool_response,
     tool_selections,
 )
-from minicpm_pcd_adapters.messages import sampling_for, structured_request
+from minicpm_pcd_adapters.messages import decide_tools, sampling_for, structured_request
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
 from pcd_engine import Calibration, PCDEngine, PCDResult, Sampling, require_closed
 
@@ -244,15 +244,8 @@ class MiniCPMLLM(FunctionCallingLLM):
 
     def _tool_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         options = self._options({k: v for k, v in kwargs.items() if k not in ("tools", "tool_choice")})
-        result = self.load().tools.call(
-            engine_messages(messages),
-            engine_tools(kwargs["tools"]),
-            tool_choice=kwargs.get("tool_choice"),
-            calibration=self.tool_calibration,
-            abstain_below=self.abstain_below,
-            max_tokens=options["max_tokens"],
-            sampling=options["sampling"],
-        )
+        tools = engine_tools(kwargs["tools"])
+        result = decide_tools(self, engine_messages(messages), tools, kwargs.get("tool_choice"), options)
         return tool_response(result)
 
     def _structured(self, kwargs: dict[str, Any]) -> dict[str, Any]:

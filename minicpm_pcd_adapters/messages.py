@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pcd_engine import Sampling
+from pcd_engine import Sampling, ToolCallResult
 
 SAMPLING_OPTIONS = frozenset(f.name for f in dataclasses.fields(Sampling))
 
@@ -40,3 +40,23 @@ def structured_request(messages: Sequence[tuple[str, str]]) -> tuple[str | None,
     else:
         text = "\n\n".join(f"{role.title()}: {content}" for role, content in rest)
     return ("\n\n".join(system) or None), text
+
+
+def decide_tools(
+    adapter: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Any,
+    tool_choice: Any,
+    options: Mapping[str, Any],
+) -> ToolCallResult:
+    """A tool decision as both adapters ask for it: the messages as role/content dicts, the adapter's
+    tool calibration and abstention threshold, the call's `max_tokens` and `sampling`."""
+    return adapter.load().tools.call(
+        messages,
+        tools,
+        tool_choice=tool_choice,
+        calibration=adapter.tool_calibration,
+        abstain_below=adapter.abstain_below,
+        max_tokens=options["max_tokens"],
+        sampling=options["sampling"],
+    )

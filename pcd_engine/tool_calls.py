@@ -160,11 +160,13 @@ class ToolCaller:
         instructions: str | None = None,
         method: str = "auto",
         folds: int = 5,
+        rule: str | None = None,
     ) -> Calibration:
         """Fit a Calibration of the decision (and the scored arguments) for `call(...,
         calibration=...)`: each conversation a user's text or a list of messages, all with the same
         system text; each label a tool's name, None for a text answer, or `{"tool": ..., "arguments":
-        {...}}`. `method` and `folds` as in `engine.calibrate`."""
+        {...}}`. `method`, `folds` and `rule` (default: the engine's) as in `engine.calibrate`; a
+        calibration applies to calls with the same rule."""
         plan = self.plan(tools, tool_choice)
         if plan.schema is None or plan.forced is not None:
             raise InputError(f"tool_choice {tool_choice!r} leaves no decision to calibrate")
@@ -180,7 +182,7 @@ class ToolCaller:
         decided = [plan.label(label, n) for n, label in enumerate(labels)] if labels is not None else None
         asked = "\n\n".join([*own, plan.instructions])
         return self.engine.calibrate(
-            plan.schema, inputs, decided, method=method, folds=folds, instructions=asked
+            plan.schema, inputs, decided, method=method, folds=folds, instructions=asked, rule=rule
         )
 
     def call(
@@ -195,6 +197,7 @@ class ToolCaller:
         max_tokens: int = 512,
         sampling: Sampling | None = None,
         logprobs: int | None = None,
+        rule: str | None = None,
     ) -> ToolCallResult:
         """Decide the next step of a conversation: a call of one of `tools` (OpenAI entries, bare
         function dicts or `Tool`s) or a text answer, as `tool_choice` allows. The decision and every
@@ -202,8 +205,9 @@ class ToolCaller:
         arguments are then generated under its schema; a text answer is generated as plain chat.
         `instructions` go before the tool instructions (the messages' system text before both);
         `calibration` (fitted on `schema(tools, tool_choice)`) and `abstain_below` apply to the
-        decision and the scored arguments. A choice that leaves one tool ("required" with one
-        tool, or a tool's name) is that tool's structured output: `classify` on its arguments."""
+        decision and the scored arguments; `rule` scores them (default: the engine's). A choice that
+        leaves one tool ("required" with one tool, or a tool's name) is that tool's structured
+        output: `classify` on its arguments."""
         plan = self.plan(tools, tool_choice)
         system, conversation = self.conversation(messages, plan)
         if plan.schema is None:
@@ -217,6 +221,7 @@ class ToolCaller:
                 conversation,
                 forced.model,
                 instructions="\n\n".join(own) or None,
+                rule=rule,
                 abstain_below=abstain_below,
                 sampling=sampling,
                 logprobs=logprobs,
@@ -227,6 +232,7 @@ class ToolCaller:
             conversation,
             plan.schema,
             instructions=asked,
+            rule=rule,
             allow_generation=False,
             calibration=calibration,
             abstain_below=abstain_below,
