@@ -69,6 +69,15 @@ class _TextPart(_Strict):
     text: str
 
 
+class _MediaPart(BaseModel):
+    """An image, audio or file part: part of the API, refused by this text-only server with a 400
+    that says so (not a shape error)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["image_url", "input_audio", "file"]
+
+
 class _CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -86,12 +95,12 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal, tool_call_id: no text we use
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
+    content: str | list[_TextPart | _MediaPart] | None = None
     tool_calls: list[_EarlierCall] | None = None  # an assistant's earlier calls
 
 
 class _JsonSchema(_Strict):
-    name: str = Field(min_length=1, max_length=64)
+    name: str | None = Field(default=None, min_length=1, max_length=64)  # optional, as vLLM takes it
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
     description: str | None = None
@@ -310,9 +319,21 @@ def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -
 def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     total = 0
-    for message in request.messages:
+    for index, message in enumerate(request.messages):
         content = message.content
-        text = "".join(part.text for part in content) if isinstance(content, list) else (content or "")
+        for number, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, _MediaPart):
+                raise APIError(
+                    400,
+                    f"this server reads text only: a {part.type!r} content part cannot be answered",
+                    param=f"messages.{index}.content.{number}",
+                    code="unsupported_content",
+                )
+        text = (
+            "".join(p.text for p in content if isinstance(p, _TextPart))
+            if isinstance(content, list)
+            else (content or "")
+        )
         total += len(text)
         pairs.append(("system" if message.role == "developer" else message.role, text))
     if total > limits.max_text_chars:
@@ -385,7 +406,8 @@ def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], 
                 400, "response_format json_schema needs its json_schema object", param="response_format"
             )
         schema = dict(format_.json_schema.schema_)
-        schema.setdefault("title", format_.json_schema.name)
+        if format_.json_schema.name:
+            schema.setdefault("title", format_.json_schema.name)
         if format_.json_schema.description:
             schema.setdefault("description", format_.json_schema.description)
         return schema, None, "response_format.json_schema.schema"

@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minicpm_pcd_adapters.batching import Batcher, QueueFull
 from minicpm_pcd_adapters.openai_answers import (
@@ -314,6 +315,12 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         metrics.errors.labels(error.code or error.type).inc()
         headers = {"Retry-After": "1"} if error.status == 503 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def route_error(request: Request, error: StarletteHTTPException) -> JSONResponse:  # 404, 405
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await api_error(request, APIError(error.status_code, message, code=code))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:

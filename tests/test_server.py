@@ -204,6 +204,33 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_keeps_serving(
     assert ask(client, "still there?").choices[0].message.content  # the next request is answered
 
 
+def test_unknown_routes_methods_and_media_parts_get_openai_error_bodies(server, client):
+    for method, path, status, code in [
+        ("POST", "/v1/completions-nope", 404, "not_found"),
+        ("GET", "/v1/nowhere", 404, "not_found"),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+    ]:
+        response = httpx.request(method, server + path, headers=_auth(), timeout=30)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["code"] == code and path in error["message"] and error["type"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    parts = [{"type": "text", "text": "what is this?"}, image]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}])
+    error = caught.value.body
+    assert error["code"] == "unsupported_content" and error["param"] == "messages.0.content.1"
+    assert "text only" in error["message"] and "'image_url'" in error["message"]
+
+
+def test_a_json_schema_without_a_name_is_answered_as_vllm_does(client, engine):
+    unnamed = {"type": "json_schema", "json_schema": {"schema": ROUTE}}
+    response = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": TEXTS[0]}], response_format=unnamed
+    )
+    assert_same_answer(response.choices[0], engine.classify(TEXTS[0], ROUTE))
+
+
 def test_the_api_key_guards_every_endpoint_but_health(server):
     assert httpx.get(server + "/health").json()["status"] == "ok"
     for path in ("/v1/models", "/metrics"):
