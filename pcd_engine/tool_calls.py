@@ -248,11 +248,13 @@ class ToolCaller:
             for p, f in scored.fields.items()
             if p.startswith(f"{a.field}.")
         }
-        closed = {n: getattr(getattr(scored.value, a.field), n) for n in a.closed} if a.field else {}
+        nested = getattr(scored.value, a.field) if a.field else None
+        closed = {n: getattr(nested, n) for n in a.closed} if nested is not None else {}
         generated = self._open_arguments(a, closed, own, conversation, sampling, logprobs)
         tokens, used = None, 0
-        if generated is None:
-            arguments = _validated(a, {a.keys()[n]: v for n, v in closed.items()})
+        if generated is None:  # the scored arguments in their JSON form (an Enum as its value)
+            scored_json = nested.model_dump(mode="json", by_alias=True) if nested is not None else {}
+            arguments = _validated(a, scored_json)
         else:
             arguments = _without_nulls(a, generated.value.model_dump(mode="json", by_alias=True))
             fields.update({p: f for p, f in generated.fields.items() if f.source == "generated"})

@@ -5,6 +5,8 @@ calibration of the decision, errors before any model work."""
 from __future__ import annotations
 
 import copy
+import enum
+import json
 import math
 from typing import Literal
 
@@ -126,6 +128,24 @@ def test_a_named_or_single_required_tool_is_that_tools_structured_output(engine)
     assert named.fields["reason"].probabilities == pytest.approx(direct.fields["reason"].probabilities)
     single = engine.tools.call(ASKED, [SEARCH], tool_choice="any")
     assert single.tool == "search" and single.arguments == {}
+
+
+def test_scored_arguments_come_back_as_json_values(engine):
+    class Speed(enum.Enum):
+        FAST = "fast"
+        SLOW = "slow"
+
+    class Ship(BaseModel):
+        """Ship an order."""
+
+        speed: Speed
+
+    result = engine.tools.call(ASKED, [Ship, SEARCH], tool_choice="required")
+    assert result.tool == "Ship"  # the tiny model's seeded choice: the closed-only path
+    assert result.arguments in ({"speed": "fast"}, {"speed": "slow"})  # the Enum's value, not its member
+    json.dumps(result.arguments)  # what every adapter does with them
+    forced = engine.tools.call(ASKED, [Ship, SEARCH], tool_choice="Ship")
+    assert json.loads(json.dumps(forced.arguments)) == forced.arguments
 
 
 def test_tool_choice_forms():
