@@ -23,13 +23,14 @@ from pcd_engine.errors import (
 )
 from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate
 from pcd_engine.generate import Sampling
+from pcd_engine.grammars import GRAMMAR_KINDS, Grammar
 from pcd_engine.heads import FieldHead
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.manifest import MANIFEST_NAME, create_manifest, read_manifest, verify_manifest, write_manifest
 from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.precision import SelfCheck
-from pcd_engine.prompt import TEXT_FRAMINGS, Conversation
+from pcd_engine.prompt import LAYOUTS, TEXT_FRAMINGS, Conversation, RawPrompt
 from pcd_engine.results import (
     Diagnostics,
     FieldResult,
@@ -46,6 +47,8 @@ from pcd_engine.tools import TOOL_CHOICES, Tool, ToolChoice, as_tools
 
 __all__ = [
     "DEFAULT_RULE",
+    "GRAMMAR_KINDS",
+    "LAYOUTS",
     "MANIFEST_NAME",
     "RULES",
     "TEXT_FRAMINGS",
@@ -65,6 +68,7 @@ __all__ = [
     "FieldResult",
     "Generation",
     "GenerationChunk",
+    "Grammar",
     "GreedyRule",
     "HiddenStates",
     "InputError",
@@ -80,6 +84,7 @@ __all__ = [
     "PCDResult",
     "PrecisionCheckError",
     "PrefixCache",
+    "RawPrompt",
     "Rule",
     "Sampling",
     "SchemaLimitError",

@@ -30,7 +30,8 @@ class TokenTree:
 
     `parents[i]` is the fed index whose token precedes token i (-1: the prompt's end); `depths[i]` is
     its distance from the prompt's end. `paths[c]` lists (fed index whose logits predict, token id)
-    for candidate c. `root` is the last chain token: its logits predict every first continuation token.
+    for candidate c. `root` is the last chain token: its logits predict every first continuation token
+    (-1 for an empty chain: the prompt's last token, which the runner places just before the trees).
     `vocab` lists, sorted, every token id some path predicts: the only columns of the LM head that
     scoring reads (`column[token]` is a token's index in it).
     """
@@ -74,16 +75,23 @@ class TokenizationError(RuntimeError):
 
 
 def build_tree(
-    encode: Encode, branch: str, candidates: Sequence[str], until_unique: bool = False
+    encode: Encode,
+    branch: str,
+    candidates: Sequence[str],
+    until_unique: bool = False,
+    end: Sequence[int] = (),
 ) -> TokenTree:
     """The tree of `branch` followed by each candidate. `until_unique`: each candidate's path stops
     at the token that sets it apart from every other candidate (its later tokens are neither fed
-    nor scored; a rule that gives a node with one child probability 1 reads the same scores)."""
+    nor scored; a rule that gives a node with one child probability 1 reads the same scores).
+    `end` (token ids) follows every candidate: an end-of-text token that makes bare values
+    prefix-free. Candidates that share no first token (an empty `branch`) have an empty chain: the
+    prompt's last token predicts their first tokens (`root` is -1)."""
     if len(candidates) < 2:
         raise ValueError("a token tree needs at least two candidates")
-    sequences = [encode(branch + c) for c in candidates]
+    sequences = [[*encode(branch + c), *end] for c in candidates]
     shared = _common_prefix_length(sequences)
-    if shared == 0:
+    if shared == 0 and branch:
         raise TokenizationError(f"candidates of branch {branch!r} share no first token")
     chain = sequences[0][:shared]
     continuations = [s[shared:] for s in sequences]

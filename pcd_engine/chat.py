@@ -17,11 +17,13 @@ from typing import Any
 
 from pcd_engine.errors import InputError
 from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling, StopStrings, check_logprobs
-from pcd_engine.prompt import ChatPrompt
+from pcd_engine.grammars import Grammar
+from pcd_engine.prompt import ChatPrompt, RawPrompt
 from pcd_engine.results import Generation, GenerationChunk, TokenLogprob
 from pcd_engine.schema import Limits
 
 Message = Mapping[str, Any] | tuple[str, str]
+Messages = Sequence[Message] | RawPrompt
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,11 @@ class ChatCall:
     max_tokens: int
     sampling: Sampling
     stops: StopStrings  # per call: it buffers streamed text
-    json_object: bool = False  # constrain the answer to one JSON object (xgrammar)
+    grammar: Any = None  # the compiled grammar the answer must match (xgrammar), if any
     logprobs: int | None = None  # record each token's log-probability with this many alternatives
 
     def matchers(self, generator: Generator) -> list[Any] | None:
-        return [generator.matcher(generator.compile_json_object())] if self.json_object else None
+        return [generator.matcher(self.grammar)] if self.grammar is not None else None
 
     def recorder(self) -> LogprobRecorder | None:
         return LogprobRecorder.asked(1, self.logprobs)
@@ -108,15 +110,16 @@ def _up_to(tokens: tuple[TokenLogprob, ...], length: int) -> tuple[TokenLogprob,
 def chat_call(
     prompt: ChatPrompt,
     limits: Limits,
-    messages: Sequence[Message],
+    messages: Messages,
     max_tokens: int,
     stop: Sequence[str] | str | None,
     sampling: Sampling,
     options: Mapping[str, Any],
-    json_object: bool = False,
+    grammar: Any = None,
     logprobs: int | None = None,
 ) -> ChatCall:
-    """The checked inputs of one chat call; `options` override fields of `sampling`."""
+    """The checked inputs of one chat call (`messages`, or a `RawPrompt` continued as written);
+    `options` override fields of `sampling`; `grammar` is compiled."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
     check_logprobs(logprobs)
@@ -127,17 +130,20 @@ def chat_call(
         chosen = Sampling(**{**vars(sampling), **options})
     except TypeError as error:
         raise InputError(f"unknown sampling option: {error}") from error
-    pairs = message_pairs(messages)
-    try:
-        ids = prompt.render_messages(pairs)
-    except Exception as error:  # jinja2 TemplateError: roles the template rejects, bad order
-        raise InputError(f"the chat template rejected the messages: {error}") from error
+    if isinstance(messages, RawPrompt):
+        ids = list(prompt.raw(prompt.raw_head, messages.text).ids)
+    else:
+        pairs = message_pairs(messages)
+        try:
+            ids = prompt.render_messages(pairs)
+        except Exception as error:  # jinja2 TemplateError: roles the template rejects, bad order
+            raise InputError(f"the chat template rejected the messages: {error}") from error
     if len(ids) > limits.max_prompt_tokens:
         raise InputError(
             f"the prompt is {len(ids)} tokens, over the limit of {limits.max_prompt_tokens} "
             "(Limits.max_prompt_tokens)"
         )
-    return ChatCall(ids, max_tokens, chosen, StopStrings(stops), json_object, logprobs)
+    return ChatCall(ids, max_tokens, chosen, StopStrings(stops), grammar, logprobs)
 
 
 def message_pairs(messages: Any) -> list[tuple[str, str]]:
@@ -181,12 +187,13 @@ class ChatMixin:
 
     def generate(
         self,
-        messages: Sequence[Message],
+        messages: Messages,
         *,
         max_tokens: int = 512,
         stop: Sequence[str] | None = None,
         sampling: Sampling | None = None,
         json_object: bool = False,
+        grammar: Grammar | None = None,
         logprobs: int | None = None,
         **sampling_options: Any,
     ) -> Generation:
@@ -195,41 +202,52 @@ class ChatMixin:
         `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
         is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
         `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
-        for a schema, use `classify`); it can still end at `max_tokens` before the object is complete.
+        for a schema, use `classify`), `grammar=` to a regex, an EBNF grammar or a JSON schema
+        (`Grammar`); either can still end at `max_tokens` before the text is complete. `messages`
+        may be a `RawPrompt`: its text is continued as written, with no chat template.
         `logprobs=k` records each token's log-probability and its `k` (0 to 20) most probable
         alternatives in `Generation.logprobs` (see `TokenLogprob`).
         """
-        call = self._chat_call(messages, max_tokens, stop, sampling, sampling_options, json_object, logprobs)
+        options = sampling_options
+        call = self._chat_call(messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs)
         return call.generate(self.generator)
 
     def stream(
         self,
-        messages: Sequence[Message],
+        messages: Messages,
         *,
         max_tokens: int = 512,
         stop: Sequence[str] | None = None,
         sampling: Sampling | None = None,
         json_object: bool = False,
+        grammar: Grammar | None = None,
         logprobs: int | None = None,
         **sampling_options: Any,
     ) -> collections.abc.Generator[GenerationChunk, None, None]:
         """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
         reason and the token counts (and with `logprobs=`, its chunks the tokens' log-probabilities).
         Closing the iterator early stops generation."""
-        call = self._chat_call(messages, max_tokens, stop, sampling, sampling_options, json_object, logprobs)
+        options = sampling_options
+        call = self._chat_call(messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs)
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
 
     def _chat_call(
         self,
-        messages: Sequence[Message],
+        messages: Messages,
         max_tokens: int,
         stop: Sequence[str] | None,
         sampling: Sampling | None,
         options: Mapping[str, Any],
         json_object: bool,
+        grammar: Grammar | None,
         logprobs: int | None,
     ) -> ChatCall:
+        if json_object and grammar is not None:
+            raise InputError("pass either json_object=True or a grammar, not both")
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise InputError(f"grammar must be a Grammar, got {type(grammar).__name__}")
+        wanted = Grammar.json_object() if json_object else grammar
+        compiled = self.generator.compile(wanted) if wanted is not None else None  # before model work
         chosen = sampling or self.sampling
-        return chat_call(
-            self.prompt, self.limits, messages, max_tokens, stop, chosen, options, json_object, logprobs
-        )
+        limits = self.limits
+        return chat_call(self.prompt, limits, messages, max_tokens, stop, chosen, options, compiled, logprobs)

@@ -38,7 +38,7 @@ from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
-from pcd_engine.prompt import ChatPrompt, Conversation
+from pcd_engine.prompt import ChatPrompt, TextInput, input_layout
 from pcd_engine.request import Request, RequestOptions, elapsed_ms, example_turns, in_order, render_all
 from pcd_engine.results import PCDResult
 from pcd_engine.runner import BranchRunner
@@ -178,10 +178,11 @@ class PCDEngine(LearningMixin, ChatMixin):
         rule: str | Rule | None = None,
         allow_generation: bool | None = None,
         examples: Sequence[tuple[str, Any]] | None = None,
+        layout: str = "chat",
     ) -> SchemaPlan:
         """The cached SchemaPlan for a schema (compiles it on first use; raises schema errors).
-        `examples` (default: the model's `pcd_examples` class variable, if any) are labeled
-        (text, answer) pairs rendered into the cached head."""
+        `examples` (default: the model's `pcd_examples`) are labeled (text, answer) pairs rendered
+        into the cached head; `layout` "raw" or "raw-value" plans for `RawPrompt` inputs."""
         model = output_type(schema).model
         compiled = compile_schema(model, self.limits, allow_open=True)
         allowed = self.allow_generation if allow_generation is None else allow_generation
@@ -190,12 +191,12 @@ class PCDEngine(LearningMixin, ChatMixin):
         chosen_rule = self.rule if rule is None else get_rule(rule)
         text = instructions if instructions is not None else self.instructions
         shots = examples if examples is not None else getattr(model, "pcd_examples", None) or ()
-        return self._plans.get(compiled, chosen_rule, text, example_turns(model, shots))
+        return self._plans.get(compiled, chosen_rule, text, example_turns(model, shots), layout)
 
     @overload
     def classify(
         self,
-        text: str | Conversation,
+        text: TextInput,
         schema: type[T],
         *,
         instructions: str | None = None,
@@ -212,7 +213,7 @@ class PCDEngine(LearningMixin, ChatMixin):
     @overload
     def classify(
         self,
-        text: str | Conversation,
+        text: TextInput,
         schema: Any,
         *,
         instructions: str | None = None,
@@ -228,7 +229,7 @@ class PCDEngine(LearningMixin, ChatMixin):
 
     def classify(
         self,
-        text: str | Conversation,
+        text: TextInput,
         schema: Any,
         *,
         instructions: str | None = None,
@@ -243,8 +244,9 @@ class PCDEngine(LearningMixin, ChatMixin):
     ) -> PCDResult[Any]:
         """Answer one text with a validated `schema` value and per-field results.
 
-        `schema` is a Pydantic model (gives an instance), a TypedDict or a JSON-schema dict (give a
-        dict). Closed fields are scored; open fields are generated unless `allow_generation=False`.
+        `text` is a str, a `Conversation` or a `RawPrompt` (continued as written, no chat template).
+        `schema` is a Pydantic model (gives an instance), a TypedDict or a JSON-schema dict (a dict).
+        Closed fields are scored; open fields are generated unless `allow_generation=False`.
         `examples`: labeled (text, answer) pairs put in the cached prompt head. `calibration`: a
         `Calibration` fitted for this schema, model and rule (`calibrate`). `abstain_below`: a field
         whose (calibrated) confidence is below it is marked abstained (default: the engine's);
@@ -269,7 +271,7 @@ class PCDEngine(LearningMixin, ChatMixin):
 
     def classify_batch(
         self,
-        texts: Iterable[str | Conversation],
+        texts: Iterable[TextInput],
         schema: Any,
         *,
         instructions: str | None = None,
@@ -326,10 +328,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         """Results of several rules that share one layout, all from the same packed pass."""
         chosen = [get_rule(r) for r in rules]
         if len({layout(r) for r in chosen}) > 1:
-            raise ValueError(
-                "these rules read different trees (codes or not, cut at the distinguishing token or "
-                "not); compare them separately"
-            )
+            raise ValueError("these rules read different trees (codes, cut or not); compare them separately")
         started = time.perf_counter()
         plan = self.plan(schema, rule=chosen[0], allow_generation=False)
         shared = Request.render(self.prompt, plan, text, self.limits, None, self.allow_empty_text)
@@ -364,6 +363,7 @@ class PCDEngine(LearningMixin, ChatMixin):
             rule=options.rule,
             allow_generation=options.allow_generation,
             examples=options.examples,
+            layout=input_layout(texts),
         )
         if options.calibration is not None:
             options.calibration.check(plan, self.model_identity)

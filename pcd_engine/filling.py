@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from pcd_engine.decisions import scored_values
 from pcd_engine.errors import StructuredOutputError, UnsupportedSchemaError
 from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling
-from pcd_engine.json_schema import Keys, pinned_schema, token_budget
+from pcd_engine.json_schema import Keys, check_enforceable, pinned_schema, token_budget
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, elapsed_ms
@@ -64,6 +64,7 @@ class JsonFiller:
     def check(self, plan: SchemaPlan) -> None:
         """Compile the unpinned schema once, so an unsupported schema fails before any model work."""
         assert plan.json_schema is not None
+        check_enforceable(plan.json_schema, plan.compiled.schema.__name__)
         try:
             self.generator.compile_json(json.dumps(plan.json_schema))
         except Exception as error:  # xgrammar raises RuntimeError/ValueError on schemas it cannot express

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from pcd_engine.errors import InputError
+from pcd_engine.grammars import Grammar, compile_grammar
 from pcd_engine.results import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -201,12 +202,10 @@ class Generator:
                 schema_json, any_whitespace=False, separators=(", ", ": "), strict_mode=True
             )
 
-    def compile_json_object(self) -> Any:
-        """An xgrammar grammar for one JSON object with any keys (the `json_object` response format)."""
+    def compile(self, grammar: Grammar) -> Any:
+        """xgrammar's compiled form of a `Grammar` (InputError when it does not compile)."""
         with self._lock:
-            return self._grammar_compiler().compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, separators=(", ", ": "), strict_mode=False
-            )
+            return compile_grammar(self._grammar_compiler(), grammar)
 
     def _grammar_compiler(self) -> Any:
         if self._compiler is None:

@@ -82,6 +82,38 @@ def _cap(node: Any, max_string_length: int, max_items: int) -> None:
         _cap(value, max_string_length, max_items)
 
 
+def check_enforceable(schema: Mapping[str, Any], name: str) -> None:
+    """UnsupportedSchemaError naming a keyword the grammar would drop without a word: xgrammar
+    ignores `minLength`/`maxLength` beside a `pattern` or `format`, and `multipleOf` on a number
+    (not an integer). Refused here rather than silently unenforced."""
+    found = _unenforced(schema, "#")
+    if found is not None:
+        where, node, keyword, reason = found
+        raise UnsupportedSchemaError(f"{name} {where}", node, f"its `{keyword}` {reason}")
+
+
+def _unenforced(node: Any, where: str) -> tuple[str, dict[str, Any], str, str] | None:
+    if isinstance(node, list):
+        return next((f for i, n in enumerate(node) if (f := _unenforced(n, f"{where}/{i}"))), None)
+    if not isinstance(node, dict):
+        return None
+    kinds = node.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    shaped = [k for k in ("pattern", "format") if k in node]
+    lengths = [k for k in ("minLength", "maxLength") if k in node]
+    if shaped and lengths and "string" in kinds:
+        fix = "write the length into the pattern (e.g. `{1,8}`) or drop one of them"
+        return where, node, lengths[0], f"cannot be enforced beside `{shaped[0]}` by the grammar; {fix}"
+    if "multipleOf" in node and "number" in kinds:
+        return (
+            where,
+            node,
+            "multipleOf",
+            "cannot be enforced on a number by the grammar (on an integer it can)",
+        )
+    return next((f for key, value in node.items() if (f := _unenforced(value, f"{where}/{key}"))), None)
+
+
 def resolve(node: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[str, Any]:
     """`node` with a local `$ref` (or a one-item `allOf`) replaced by the definition it names."""
     out = dict(node)

@@ -4,7 +4,8 @@ A branch continues the assistant turn the way AR JSON would, as a one-field JSON
 `{"shipping": {"method": ` followed by a candidate and the closing braces (`"air"}}`). The closing
 braces are the terminator that makes candidates prefix-free (`1}` vs `10}`). The "plain" wording
 writes `shipping.method:` followed by ` air` and a newline instead (a label then starts with a
-space, as a word does in running text); docs/benchmarks.md compares the two.
+space, as a word does in running text); docs/benchmarks.md compares the two. After a raw prompt
+(`RawPrompt(answer="value")`, vLLM's `choice`) the "value" wording writes the value's text alone.
 
 With codes (the `code` rule) a string field lists its values under single-token codes and the
 candidates become `"A"}`, `"B"}`, ...
@@ -40,12 +41,17 @@ PLAIN_INSTRUCTIONS = (
 
 
 def branch_text(json_keys: Sequence[str], wording: str = "json") -> str:
+    if wording == "value":  # a raw prompt's `choice`: the value right after the prompt
+        return ""
     if wording == "plain":
         return ".".join(json_keys) + ":"
     return "".join("{" + json.dumps(k, ensure_ascii=False) + ": " for k in json_keys)
 
 
 def candidate_text(json_value: str, depth: int, wording: str = "json") -> str:
+    if wording == "value":
+        value = json.loads(json_value)
+        return value if isinstance(value, str) else json_value
     if wording == "plain":
         return " " + plain_value(json.loads(json_value)) + "\n"
     return json_value + "}" * depth

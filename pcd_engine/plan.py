@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pcd_engine.branches import TokenTree, build_tree
-from pcd_engine.errors import SchemaLimitError
+from pcd_engine.branches import TokenizationError, TokenTree, build_tree
+from pcd_engine.errors import InputError, SchemaLimitError, UnsupportedSchemaError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
 from pcd_engine.layout import (
     WORDINGS,
@@ -28,7 +28,7 @@ from pcd_engine.layout import (
     plain_answer,
     system_text,
 )
-from pcd_engine.prompt import ChatPrompt
+from pcd_engine.prompt import LAYOUTS, ChatPrompt
 from pcd_engine.schema import YES_NO, CompiledSchema, Decision, Limits
 from pcd_engine.scoring import OptionRule, Rule
 
@@ -50,6 +50,7 @@ class SchemaPlan:
     examples: tuple[tuple[str, str], ...] = ()  # (text, answer) turns rendered into the head
     wording: str = "json"  # how branches write a value (layout.WORDINGS)
     tools: tuple[dict[str, Any], ...] = ()  # tool definitions the template renders in the head
+    layout: str = "chat"  # the prompt layout (prompt.LAYOUTS): a raw prompt's plan has no system text
 
     @cached_property
     def fingerprint(self) -> str:
@@ -60,6 +61,8 @@ class SchemaPlan:
         parts: list[Any] = [decisions, self.system, self.examples, self.wording]
         if self.tools:
             parts.append(self.tools)
+        if self.layout != "chat":
+            parts.append(self.layout)
         text = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -108,12 +111,14 @@ class PlanCache:
         rule: Rule,
         instructions: str | None,
         examples: tuple[tuple[str, str], ...] = (),
+        layout: str = "chat",
     ) -> SchemaPlan:
-        key = (compiled.schema, rule, instructions, examples)
+        key = (compiled.schema, rule, instructions, examples, layout)
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(compiled, self.prompt, rule, instructions, self.limits, examples, self.wording)
+            limits, wording = self.limits, self.wording
+            plan = build_plan(compiled, self.prompt, rule, instructions, limits, examples, wording, layout)
             if plan.json_schema is not None and self.check is not None:
                 self.check(plan)
             with self._lock:
@@ -129,7 +134,10 @@ def build_plan(
     limits: Limits,
     examples: tuple[tuple[str, str], ...] = (),
     wording: str = "json",
+    layout: str = "chat",
 ) -> SchemaPlan:
+    if layout != "chat":
+        return _raw_plan(compiled, prompt, rule, limits, examples, layout, wording)
     plans, codes = [], {}
     for decision in compiled.decisions:
         field = compiled.fields[decision.field_index]
@@ -167,6 +175,50 @@ def build_plan(
     else:
         head, tools = prompt.render_head(system, examples), ()
     return SchemaPlan(compiled, system, head, tuple(plans), schema, examples, wording, tools)
+
+
+def _raw_plan(
+    compiled: CompiledSchema,
+    prompt: ChatPrompt,
+    rule: Rule,
+    limits: Limits,
+    examples: tuple[tuple[str, str], ...],
+    layout: str,
+    wording: str,
+) -> SchemaPlan:
+    """The plan after a raw prompt: no system text, the tokenizer's BOS (if any) as the head, no
+    codes (nothing lists them). "raw-value" writes a one-field schema's value alone; where one
+    value's tokens begin another's, every value ends with the end-of-text token."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown prompt layout {layout!r}; choose one of {LAYOUTS}")
+    if examples:
+        raise InputError("labeled examples go in a chat prompt's head: a raw prompt holds its own")
+    if layout == "raw-value":
+        if len(compiled.decisions) != 1 or compiled.open_fields or compiled.fields[0].multi_label:
+            raise UnsupportedSchemaError(
+                compiled.schema.__name__, compiled.schema, "a value answer needs a schema of one closed field"
+            )
+        wording = "value"
+    used = OptionRule("sum") if rule.uses_codes else rule
+    plans = []
+    for decision in compiled.decisions:
+        if len(decision.candidates) < 2:
+            plans.append(DecisionPlan(decision, None, used))
+            continue
+        texts = [candidate_text(c.json, len(decision.json_keys), wording) for c in decision.candidates]
+        cut = used.until_unique or (used.cut_bools and decision.candidates == YES_NO)
+        branch = branch_text(decision.json_keys, wording)
+        try:
+            tree = build_tree(prompt.encode_text, branch, texts, cut)
+        except TokenizationError:  # a bare value whose tokens begin another's
+            end = (prompt.tokenizer.eos_token_id,)
+            tree = build_tree(prompt.encode_text, branch, texts, cut, end=end)
+        _check_lengths(tree, decision, limits)
+        plans.append(DecisionPlan(decision, tree, used))
+    schema = None
+    if compiled.open_fields:
+        schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
+    return SchemaPlan(compiled, "", prompt.raw_head, tuple(plans), schema, (), wording, (), layout)
 
 
 def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:

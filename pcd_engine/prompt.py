@@ -105,6 +105,44 @@ class Conversation:
         return "\n\n".join(f"{role.title()}: {content}" for role, content in self.messages)
 
 
+LAYOUTS = ("chat", "raw", "raw-value")
+
+
+@dataclass(frozen=True)
+class RawPrompt:
+    """A prompt continued as written, with no chat template: a base checkpoint's input, or the
+    `prompt` of `/v1/completions`. `classify` scores the answer right after it (no system text, no
+    instructions); `generate` continues it. `answer="json"` writes the answer as a JSON object in
+    the branch wording; `answer="value"` (a schema of one closed field) as the chosen value's text
+    alone, as vLLM's `choice` does. The text is data here too: a control-token string in it is read
+    as plain text, never as the template's token.
+
+    >>> RawPrompt("Review: great phone.\nSentiment:", answer="value").layout
+    'raw-value'
+    """
+
+    text: str
+    answer: str = "json"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise InputError(f"a RawPrompt's text must be a str, got {type(self.text).__name__}")
+        if self.answer not in ("json", "value"):
+            raise InputError(f"a RawPrompt's answer is 'json' or 'value', got {self.answer!r}")
+
+    @property
+    def layout(self) -> str:
+        return "raw-value" if self.answer == "value" else "raw"
+
+
+TextInput = str | Conversation | RawPrompt  # what `classify` answers
+
+
+def input_layout(inputs: Sequence[Any]) -> str:
+    """The prompt layout a batch is planned for: its first input's (LAYOUTS)."""
+    return inputs[0].layout if inputs and isinstance(inputs[0], RawPrompt) else "chat"
+
+
 class ChatPrompt:
     """Renders (system text, user text) with the tokenizer's own chat template into token ids.
 
@@ -142,6 +180,18 @@ class ChatPrompt:
 
     def render(self, system: str, text: str) -> PromptIds:
         return self.with_head(self.render_head(system), text)
+
+    @cached_property
+    def raw_head(self) -> tuple[int, ...]:
+        """What the tokenizer puts before a raw text (a BOS token, or nothing): a raw prompt's head."""
+        bare = self._encode("a")
+        full = list(self.tokenizer("a", add_special_tokens=True)["input_ids"])
+        start = next((i for i in range(len(full)) if full[i : i + len(bare)] == bare), 0)
+        return tuple(full[:start])
+
+    def raw(self, head: tuple[int, ...], text: str) -> PromptIds:
+        """A raw prompt's ids: its head (`raw_head`), then the text as data; no tail."""
+        return PromptIds(head, tuple(self.encode_text(text)), ())
 
     def with_head(self, head: tuple[int, ...], text: str) -> PromptIds:
         """A request's prompt on an already rendered head (the per-schema part)."""

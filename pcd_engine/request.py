@@ -21,7 +21,7 @@ from pcd_engine.errors import AbstentionError, CalibrationError, InputError, PCD
 from pcd_engine.generate import Sampling, check_logprobs
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
-from pcd_engine.prompt import ChatPrompt, Conversation, PromptIds
+from pcd_engine.prompt import ChatPrompt, Conversation, PromptIds, RawPrompt
 from pcd_engine.results import Diagnostics, FieldResult, PCDResult, TokenLogprob
 from pcd_engine.runner import PassStats
 from pcd_engine.schema import Limits
@@ -103,15 +103,21 @@ class Request:
         index: int | None = None,
         allow_empty: bool = False,
     ) -> Request:
-        """The request for input `text` (number `index` of a batch), a str or a `Conversation`;
-        InputError if it cannot be one."""
+        """The request for input `text` (number `index` of a batch), a str, a `Conversation` or a
+        `RawPrompt` (for a plan of its layout); InputError if it cannot be one."""
         started = time.perf_counter()
         where = "text" if index is None else f"text #{index}"
         conversation = text if isinstance(text, Conversation) else None
-        if conversation is not None:
-            text = conversation.text
+        raw = text if isinstance(text, RawPrompt) else None
+        if (raw.layout if raw is not None else "chat") != plan.layout:
+            raise InputError(f"{where}: a batch is all raw prompts of one answer kind, or no raw prompt")
+        if conversation is not None or raw is not None:
+            text = text.text
         if not isinstance(text, str):
-            raise InputError(f"{where} must be a str or a Conversation, got {type(text).__name__}")
+            kind = type(text).__name__
+            raise InputError(f"{where} must be a str, a Conversation or a RawPrompt, got {kind}")
+        if raw is not None and not text.strip():
+            raise InputError(f"{where}: a raw prompt must not be empty")
         if not text.strip() and not allow_empty:
             raise InputError(
                 f"{where} is empty or only whitespace; PCDEngine(allow_empty_text=True) allows it"
@@ -122,7 +128,9 @@ class Request:
             raise InputError(
                 f"{where} is not valid Unicode: {error.reason} at character {error.start}"
             ) from None
-        if conversation is not None:
+        if raw is not None:
+            ids = prompt.raw(plan.head, text)
+        elif conversation is not None:
             ids = prompt.with_conversation(plan.head, plan.system, conversation, plan.tools)
         else:
             ids = prompt.with_head(plan.head, text)

@@ -146,8 +146,8 @@ class BranchRunner:
         capture: Sequence[HiddenCapture] | None,
     ) -> dict[int, list[torch.Tensor]]:
         """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many."""
-        kv = frozen_view(shared, len(group))
-        if kv is None:  # not a DynamicCache: a real copy, repeated per row
+        kv = frozen_view(shared, len(group)) if shared is not None else None
+        if kv is None and shared is not None:  # not a DynamicCache: a real copy, repeated per row
             kv = copy.deepcopy(shared)
             if len(group) > 1:
                 kv.batch_repeat_interleave(len(group))
@@ -208,7 +208,7 @@ class BranchRunner:
         """Per row, per tree, the scored columns; and the grown KV when `keep_kv`. With `capture`
         (one per row), each row's hidden states are read into its HiddenCapture."""
         ids, positions, allowed, offsets = packed
-        keep = [offset + i for tree, offset in zip(trees, offsets, strict=True) for i in tree.scored]
+        keep = [_at(offsets, o, i) for tree, o in zip(trees, offsets, strict=True) for i in tree.scored]
         inputs: dict[str, Any] = {
             "input_ids": ids.to(self.device),
             "attention_mask": packing.additive_mask(allowed.to(self.device), self.dtype),
@@ -224,7 +224,14 @@ class BranchRunner:
             with hidden.hooked(self.model) as seen:
                 per_tree, output = self.projection.forward(inputs, keep_t, trees, normalized)
                 for row, (into, text, indices) in enumerate(capture):
-                    forks = [(k, o + t.root) for k, o, t in zip(indices, offsets, trees, strict=True)]
+                    pairs = zip(indices, offsets, trees, strict=True)
+                    forks = [(k, _at(offsets, o, t.root)) for k, o, t in pairs]
                     hidden.read(seen, row, into, text, forks)
         grown = output["cache" if "cache" in output else "past_key_values"] if keep_kv else None
         return [[scores[row] for scores in per_tree] for row in range(ids.shape[0])], grown
+
+
+def _at(offsets: Sequence[int], offset: int, index: int) -> int:
+    """Where a tree's fed `index` sits in the call: after its offset; -1 (an empty chain's root) is
+    the prompt's last token, just before the first tree in every row."""
+    return offset + index if index >= 0 else offsets[0] - 1

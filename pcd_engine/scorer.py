@@ -59,7 +59,7 @@ class Scorer:
         head_len = len(plan.head)
         if len(prompts) == 1:  # one call even without a prefix cache (a batch computes the head apart)
             return [self._alone(prompts[0], trees, stats[0], head_len, normalized, _at(capture, 0))]
-        fits = [head_len > 0 and self.runner.fits(len(p) - head_len, trees) for p in prompts]
+        fits = [self.runner.fits(len(p) - head_len, trees) for p in prompts]
         together = [i for i, ok in enumerate(fits) if ok]
         out = {  # a prompt too long for the budget runs alone, its trees in microbatches
             i: self._alone(p, trees, stats[i], head_len, normalized, _at(capture, i))
@@ -87,8 +87,9 @@ class Scorer:
         if cached is not None:
             return cached
         runs = []
-        for text in CONTENT_FREE_TEXTS:
-            ids = self.prompt.with_head(plan.head, text).ids
+        raw = plan.layout != "chat"  # a raw prompt is the text alone: an empty one has no last token
+        for text in [t for t in CONTENT_FREE_TEXTS if t] if raw else CONTENT_FREE_TEXTS:
+            ids = (self.prompt.raw if raw else self.prompt.with_head)(plan.head, text).ids
             runs.append(self._alone(ids, plan.trees, stats, len(plan.head), key[1]))
         count = torch.log(torch.tensor(float(len(runs))))
         priors = [
@@ -130,6 +131,9 @@ class Scorer:
         if not trees:  # a plan of single-value fields: nothing to run, not even the head
             return []
         kv, past = self.head_kv(prompt_ids, head_len, stats)
+        if kv is not None and past >= len(prompt_ids):  # feed one prompt token at least
+            kv.crop(-(past - len(prompt_ids) + 1))
+            past = stats.reused_tokens = len(prompt_ids) - 1
         if capture is not None and kv is not None and past > capture.text_start:  # feed the whole text
             kv.crop(capture.text_start - past)
             past = stats.reused_tokens = capture.text_start
@@ -139,6 +143,8 @@ class Scorer:
         """The head's KV for a batch, fetched or computed on the first row's behalf; the other rows
         reuse it (their counters say so)."""
         first = stats[0]
+        if not head:  # a raw prompt without a BOS token: nothing is shared
+            return None
         if self.prefix_cache is not None:
             kv, _ = self.head_kv(head, len(head), first)
         else:
