@@ -11,19 +11,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from minicpm_pcd_adapters.openai_completions import text_body, text_chunk
 from minicpm_pcd_adapters.openai_protocol import ClassifyCall, ToolCall
+from minicpm_pcd_adapters.openai_structured import CHOICE_FIELD
 from pcd_engine import FieldResult, Generation, PCDResult, TokenLogprob, ToolCallResult
 
 
 @dataclass
 class Completion:
-    """One response: its id, creation time and model, then its choices (one per `n`)."""
+    """One response: its id, creation time and model, then its choices (one per `n`). With `text`,
+    written as a `/v1/completions` answer (`openai_completions.py`)."""
 
     model: str
-    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    text: bool = False
+    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        self.id = self.id or ("cmpl-" if self.text else "chatcmpl-") + secrets.token_hex(12)
+
     def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        if self.text:
+            return text_body(self.id, self.created, self.model, choices, usage)
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -45,7 +54,7 @@ class Completion:
         }
         if usage is not None:
             out["usage"] = usage
-        return out
+        return text_chunk(out) if self.text else out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -61,8 +70,14 @@ def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -
     """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension."""
     answer = result.to_json()
     arguments = json.dumps(answer["value"], ensure_ascii=False)
-    if call.tool is None:
-        message: dict[str, Any] = {"role": "assistant", "content": arguments, "refusal": None}
+    if call.answer == "choice":  # vLLM's `choice`: the chosen string alone
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": answer["value"][CHOICE_FIELD],
+            "refusal": None,
+        }
+    elif call.tool is None:
+        message = {"role": "assistant", "content": arguments, "refusal": None}
     else:
         message = {
             "role": "assistant",
@@ -86,8 +101,11 @@ def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -
     }
     finish = "stop" if call.tool is None else "tool_calls"
     fields = list(result.fields.values())
+    as_text = call.answer == "choice"
     logprobs = (
-        None if call.logprobs is None else scored_logprobs(fields, result.token_logprobs, call.logprobs)
+        None
+        if call.logprobs is None
+        else scored_logprobs(fields, result.token_logprobs, call.logprobs, as_text)
     )
     return {
         "index": index,
@@ -123,17 +141,19 @@ def tool_message(call: ToolCall, result: ToolCallResult, index: int) -> dict[str
 
 
 def scored_logprobs(
-    fields: Sequence[FieldResult], generated: Sequence[TokenLogprob] | None, top: int
+    fields: Sequence[FieldResult], generated: Sequence[TokenLogprob] | None, top: int, as_text: bool = False
 ) -> dict[str, Any]:
     """OpenAI's `choice.logprobs` for a structured answer or a tool decision. First, per scored
     field in answer order, one entry whose `token` is the chosen value as written in the JSON answer
     and whose `logprob` is the log of its (calibrated) probability; `top_logprobs` lists the field's
     `top` most probable values, most probable first. Then the generated tokens (the open fields'
     JSON text after the scored values, or a text answer), each with the model's log-probability and
-    its `top` alternatives."""
+    its `top` alternatives. `as_text`: string values written as themselves (a `choice` answer), not
+    as JSON."""
 
     def entry(value: Any, p: float) -> dict[str, Any]:
-        return _entry(json.dumps(value, ensure_ascii=False), math.log(p) if p > 0 else -9999.0)
+        written = value if as_text and isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return _entry(written, math.log(p) if p > 0 else -9999.0)
 
     content = []
     for f in fields:
@@ -159,9 +179,11 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode())}
 
 
-def classified_usage(results: list[PCDResult[Any]]) -> dict[str, Any]:
+def classified_usage(results: list[PCDResult[Any]], n: int = 1) -> dict[str, Any]:
+    """Usage of answers given `n` per input: each input's prompt counted once."""
     d = [r.diagnostics for r in results]
-    return usage(d[0].prompt_tokens, sum(x.generated_tokens for x in d), d[0].cached_tokens)
+    prompt, cached = sum(x.prompt_tokens for x in d[::n]), sum(x.cached_tokens for x in d[::n])
+    return usage(prompt, sum(x.generated_tokens for x in d), cached)
 
 
 def generated_choice(answer: Generation, index: int, top: int | None = None) -> dict[str, Any]:

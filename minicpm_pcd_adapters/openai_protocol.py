@@ -20,6 +20,7 @@ code) before any model work. The per-field scores go in an extension object on e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,32 +29,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minicpm_pcd_adapters.messages import structured_request
-from pcd_engine import Sampling
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's body: `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from minicpm_pcd_adapters.openai_errors import APIError
+from minicpm_pcd_adapters.openai_structured import (
+    ConstrainedDecoding,
+    Constraint,
+    choice_schema,
+    read_constraint,
+)
+from pcd_engine import Grammar, RawPrompt, Sampling
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     max_text_chars: int = 100_000  # all message contents together
     max_n: int = 8
+    max_prompts: int = 256  # prompts in one /v1/completions request
     max_completion_tokens: int = 4096  # the most a plain chat request may ask for
 
 
@@ -106,7 +96,7 @@ class _JsonSchema(_Strict):
     description: str | None = None
 
 
-class _ResponseFormat(_Strict):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: _JsonSchema | None = None
 
@@ -132,7 +122,7 @@ class _NamedToolChoice(_Strict):
     function: _FunctionName
 
 
-class _StreamOptions(_Strict):
+class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
@@ -143,15 +133,15 @@ class PCDOptions(_Strict):
     abstain_below: float | None = Field(default=None, gt=0, lt=1)
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(ConstrainedDecoding):
     model: str
     messages: list[_Message] = Field(min_length=1)
-    response_format: _ResponseFormat | None = None
+    response_format: ResponseFormat | None = None
     tools: list[_Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool | None = False
-    stream_options: _StreamOptions | None = None
+    stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -191,12 +181,22 @@ class ClassifyCall:
     schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
     calibration: str | None = None  # the name of the loaded calibration that matched, if any
     logprobs: int | None = None  # answer with `choice.logprobs`, k alternatives each; None: not asked
+    answer: str = "json"  # "choice": the content is the chosen value alone (vLLM's `choice`)
+    prompts: tuple[RawPrompt, ...] = ()  # /v1/completions: raw prompts, classified instead of `text`
+
+    @property
+    def layout(self) -> str:
+        return self.prompts[0].layout if self.prompts else "chat"
+
+    def inputs(self) -> list[Any]:
+        """What the engine classifies, in choice order: each prompt (or the text) `n` times."""
+        return [p for p in self.prompts or [self.text] for _ in range(self.n)]
 
     def batch_key(self) -> tuple[Any, ...]:
-        """Requests with equal keys can share one `classify_batch` (same schema and options)."""
+        """Requests with equal keys can share one `classify_batch` (same schema, layout, options)."""
         schema = json.dumps(self.schema, sort_keys=True)
         options = (self.sampling, self.abstain_below, self.calibration, self.logprobs)
-        return (schema, self.instructions, *options)
+        return (schema, self.instructions, self.layout, *options)
 
 
 @dataclass(frozen=True)
@@ -229,6 +229,20 @@ class GenerateCall:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # the engine's `logprobs=`: alternatives per token, None when off
+    grammar: Grammar | None = None  # a regex or grammar constraint (xgrammar)
+    grammar_param: str | None = None  # the request parameter it came from
+    prompts: tuple[str, ...] = ()  # /v1/completions: raw prompts, continued instead of `messages`
+
+    def runs(self) -> list[tuple[Any, Sampling]]:
+        """(engine input, sampling) per choice, in choice order: each prompt (or the conversation)
+        `n` times, a given seed offset per choice so that they differ."""
+        inputs: list[Any] = [RawPrompt(p) for p in self.prompts] or [self.messages]
+        return [(item, nth_sampling(self.sampling, k)) for item in inputs for k in range(self.n)]
+
+
+def nth_sampling(sampling: Sampling, index: int) -> Sampling:
+    """The sampling of the index-th choice: a given seed is offset so that choices differ."""
+    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
 def parse_request(
@@ -240,12 +254,15 @@ def parse_request(
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as error:
-        raise _shape_error(error) from None
+        raise shape_error(error) from None
+    constraint = read_constraint(request)
+    if constraint is not None:
+        _alone(constraint, request)
     decided = _tool_decision(request)
-    structured = None if decided else _structured_target(request)
+    structured = None if decided or constraint else _structured_target(request)
     _refuse_unsupported(request, limits)
     messages = _message_pairs(request, limits)
-    sampling = _sampling(request)
+    sampling = request_sampling(request)
     n = request.n or 1
     stream = bool(request.stream)
     usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -260,31 +277,44 @@ def parse_request(
         return ToolCall(
             request.model, turns, tools, decided, sampling, max_tokens, n, abstain, stream, usage, logprobs
         )
+    if constraint is not None and constraint.kind in ("choice", "json"):
+        instructions, text = structured_request(messages)
+        schema = choice_schema(constraint.value) if constraint.kind == "choice" else constraint.value
+        answer = "choice" if constraint.kind == "choice" else "json"
+        return ClassifyCall(
+            request.model, schema, instructions, text, sampling, n, None, abstain, stream, usage,
+            constraint.param, logprobs=logprobs, answer=answer,
+        )  # fmt: skip
     if structured is not None:
         schema, tool, param = structured
         instructions, text = structured_request(messages)
         return ClassifyCall(
-            request.model,
-            schema,
-            instructions,
-            text,
-            sampling,
-            n,
-            tool,
-            abstain,
-            stream,
-            usage,
-            param,
+            request.model, schema, instructions, text, sampling, n, tool, abstain, stream, usage, param,
             logprobs=logprobs,
-        )
+        )  # fmt: skip
     json_object = request.response_format is not None and request.response_format.type == "json_object"
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    grammar, grammar_param = (constraint.grammar(), constraint.param) if constraint else (None, None)
     return GenerateCall(
-        request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs
-    )
+        request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs,
+        grammar, grammar_param,
+    )  # fmt: skip
 
 
-def _shape_error(error: ValidationError) -> APIError:
+def _alone(constraint: Constraint, request: ChatCompletionRequest) -> None:
+    """A 400 naming both when a constraint comes with a response format or tools to call."""
+    format_ = request.response_format
+    if format_ is not None and format_.type != "text":
+        other = "response_format"
+    elif request.tools and request.tool_choice != "none":
+        other = "tools"
+    else:
+        return
+    message = f"conflicting constraints: {other} and {constraint.param}; give one"
+    raise APIError(400, message, param=constraint.param, code="conflicting_parameters")
+
+
+def shape_error(error: ValidationError) -> APIError:
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     if first["type"] == "extra_forbidden":
@@ -370,7 +400,8 @@ def _engine_messages(request: ChatCompletionRequest, pairs: list[tuple[str, str]
     return out
 
 
-def _sampling(request: ChatCompletionRequest) -> Sampling:
+def request_sampling(request: Any) -> Sampling:
+    """Temperature, top_p and seed of a chat or text completion request."""
     return Sampling(
         temperature=request.temperature or 0.0,
         top_p=request.top_p if request.top_p is not None else 1.0,
@@ -412,6 +443,3 @@ def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], 
             schema.setdefault("description", format_.json_schema.description)
         return schema, None, "response_format.json_schema.schema"
     return None
-
-
-# -- answers ------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`pcd serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one PCDEngine.
 
     POST /v1/chat/completions   structured answers scored by PCD, plain chat, JSON mode, streaming
+    POST /v1/completions        the same after raw prompts (no chat template), a list in one batch
     GET  /v1/models, /v1/models/{id}, /v1/calibrations, /health, /metrics (Prometheus)
     GET  /openapi.json (the request and response bodies, `server_openapi.py`)
 
@@ -29,7 +30,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,30 +46,23 @@ from minicpm_pcd_adapters.openai_answers import (
     tool_message,
     usage,
 )
+from minicpm_pcd_adapters.openai_completions import parse_completion
+from minicpm_pcd_adapters.openai_errors import APIError
 from minicpm_pcd_adapters.openai_protocol import (
-    APIError,
     ClassifyCall,
     GenerateCall,
     RequestLimits,
     ToolCall,
+    nth_sampling,
     parse_request,
 )
 from minicpm_pcd_adapters.server_calibrations import Calibrations
 from minicpm_pcd_adapters.server_guard import Guard
+from minicpm_pcd_adapters.server_jobs import engine_error, event_stream, replayed, while_connected
 from minicpm_pcd_adapters.server_metrics import ServerMetrics
 from minicpm_pcd_adapters.server_openapi import openapi_document
 from minicpm_pcd_adapters.server_settings import ServerSettings
-from pcd_engine import (
-    Generation,
-    InputError,
-    PCDEngine,
-    PCDError,
-    PCDResult,
-    SchemaLimitError,
-    StructuredOutputError,
-    UnsupportedSchemaError,
-    __version__,
-)
+from pcd_engine import Generation, InputError, PCDEngine, PCDError, PCDResult, __version__
 
 log = logging.getLogger("minicpm_pcd.server")
 
@@ -81,9 +75,9 @@ class ClassifyRunner:
 
     def __call__(self, key: Hashable, calls: list[ClassifyCall]) -> list[list[PCDResult[Any] | PCDError]]:
         first = calls[0]
-        texts = [call.text for call in calls for _ in range(call.n)]
+        inputs = [item for call in calls for item in call.inputs()]
         results = self.engine.classify_batch(
-            texts,
+            inputs,
             first.schema,
             instructions=first.instructions,
             sampling=first.sampling,
@@ -94,13 +88,16 @@ class ClassifyRunner:
         )
         out, start = [], 0
         for call in calls:
-            out.append(results[start : start + call.n])
-            start += call.n
+            count = len(call.inputs())
+            out.append(results[start : start + count])
+            start += count
         return out
 
 
 class Completions:
-    """`POST /v1/chat/completions`: a checked call, answered through the batcher, as JSON or events."""
+    """`POST /v1/chat/completions` and `POST /v1/completions`: a checked call, answered through the
+    batcher, as JSON or events. Both protocols read into the same calls (a completion's prompts are
+    raw inputs), and their answers differ only in how they are written (`Completion(text=...)`)."""
 
     def __init__(
         self,
@@ -117,18 +114,30 @@ class Completions:
         )
 
     async def answer(self, request: Request) -> Response:
+        """`POST /v1/chat/completions`."""
+        return await self._answer(
+            request, lambda body: parse_request(body, self.limits, self.settings.max_tokens)
+        )
+
+    async def answer_text(self, request: Request) -> Response:
+        """`POST /v1/completions`: prompts continued as written."""
+        return await self._answer(request, lambda body: parse_completion(body, self.limits))
+
+    async def _answer(self, request: Request, parse: Any) -> Response:
         started, kind, status = time.perf_counter(), "other", 500
         try:
             try:
                 body = json.loads(await request.body())
             except ValueError as error:
                 raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
-            call = parse_request(body, self.limits, self.settings.max_tokens)
+            call = parse(body)
             kind = {ClassifyCall: "classify", ToolCall: "tools"}.get(type(call), "generate")
             if call.model != self.settings.model_name:
                 served = self.settings.model_name
                 message = f"the model {call.model!r} does not exist; this server serves {served!r}"
                 raise APIError(404, message, param="model", code="model_not_found")
+            if isinstance(call, GenerateCall) and call.grammar is not None:  # compiled before queuing
+                await self._check_grammar(call)
             if isinstance(call, ClassifyCall):
                 response = await self._classify(call, request)
             elif isinstance(call, ToolCall):
@@ -148,19 +157,29 @@ class Completions:
 
     async def _classify(self, call: ClassifyCall, request: Request) -> Response:
         try:  # schema errors before any model work (the plan is cached per schema)
-            plan = await asyncio.to_thread(self.engine.plan, call.schema, instructions=call.instructions)
+            plan = await asyncio.to_thread(
+                self.engine.plan, call.schema, instructions=call.instructions, layout=call.layout
+            )
         except PCDError as error:
             raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
         call = dataclasses.replace(call, calibration=self.calibrations.match(plan))
         submitted = self.batcher.submit(call.batch_key(), call, self.settings.request_timeout_s)
-        results = await _while_connected(request, self._queued(submitted))
+        results = await while_connected(request, self._queued(submitted))
         for result in results:
             if isinstance(result, PCDError):
-                raise _engine_error(result)
+                raise engine_error(result, "prompt" if call.prompts else "messages")
         answers = [classified_message(call, r, i) for i, r in enumerate(results)]
         for answer in answers:
             answer["pcd"]["calibration"] = self.calibrations.describe(call.calibration)
-        return _answered(call, answers, classified_usage(results))
+        return _answered(call, answers, classified_usage(results, call.n))
+
+    async def _check_grammar(self, call: GenerateCall) -> None:
+        assert call.grammar is not None
+        try:
+            await asyncio.to_thread(self.engine.check_grammar, call.grammar)
+        except InputError as error:
+            message = f"{call.grammar_param}: {error}"
+            raise APIError(400, message, param=call.grammar_param, code="invalid_grammar") from None
 
     async def _tool_call(self, call: ToolCall, request: Request) -> Response:
         """A tool decision (or text answer) per choice, on the model worker."""
@@ -173,23 +192,29 @@ class Completions:
                     tool_choice=call.tool_choice,
                     abstain_below=call.abstain_below,
                     max_tokens=call.max_tokens,
-                    sampling=_nth(call, index),
+                    sampling=nth_sampling(call.sampling, index),
                     logprobs=call.logprobs,
                 )
                 for index in range(call.n)
             ]
 
-        results = await _while_connected(request, self._queued(self.batcher.exclusive(decide)))
+        results = await while_connected(request, self._queued(self.batcher.exclusive(decide)))
         answers = [tool_message(call, r, i) for i, r in enumerate(results)]
         tokens = usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results))
         return _answered(call, answers, tokens)
 
     async def _generate(self, call: GenerateCall, request: Request) -> Response:
-        job = self.batcher.exclusive(lambda: _generations(self.engine, call))
-        answers = await _while_connected(request, self._queued(job))
+        def generations() -> list[Generation]:
+            return [
+                self.engine.generate(item, sampling=sampling, **_options(call))
+                for item, sampling in call.runs()
+            ]
+
+        answers = await while_connected(request, self._queued(self.batcher.exclusive(generations)))
         choices = [generated_choice(a, i, call.logprobs) for i, a in enumerate(answers)]
-        total = usage(answers[0].prompt_tokens, sum(a.completion_tokens for a in answers))
-        return JSONResponse(Completion(call.model).body(choices, total))
+        prompt_tokens = sum(a.prompt_tokens for a in answers[:: call.n])
+        total = usage(prompt_tokens, sum(a.completion_tokens for a in answers))
+        return JSONResponse(Completion(call.model, bool(call.prompts)).body(choices, total))
 
     async def _stream_generation(self, call: GenerateCall) -> Response:
         """Pieces go from the model worker to the event loop through a queue; the HTTP status is
@@ -203,17 +228,10 @@ class Completions:
                 loop.call_soon_threadsafe(pieces.put_nowait, item)
 
             try:
-                for index in range(call.n):
+                for index, (item, sampling) in enumerate(call.runs()):
                     if leave.is_set():
                         return
-                    stream = self.engine.stream(
-                        call.messages,
-                        max_tokens=call.max_tokens,
-                        stop=call.stop,
-                        sampling=_nth(call, index),
-                        json_object=call.json_object,
-                        logprobs=call.logprobs,
-                    )
+                    stream = self.engine.stream(item, sampling=sampling, **_options(call))
                     try:
                         for piece in stream:
                             put((index, piece))
@@ -235,14 +253,15 @@ class Completions:
         first = await getter
         if isinstance(first, Exception):
             await job
-            raise _engine_error(first) if isinstance(first, PCDError) else first
-        return _event_stream(_generated_chunks(call, first, pieces, leave))
+            param = "prompt" if call.prompts else "messages"
+            raise engine_error(first, param) if isinstance(first, PCDError) else first
+        return event_stream(_generated_chunks(call, first, pieces, leave))
 
     async def _queued(self, work: Any) -> Any:
         try:
             return await work
         except PCDError as error:  # a plain chat call's inputs, checked on the worker before generating
-            raise _engine_error(error) from None
+            raise engine_error(error) from None
         except QueueFull as error:
             message = f"the server is busy: {error}; retry later"
             raise APIError(503, message, type="server_error", code="overloaded") from None
@@ -255,7 +274,7 @@ async def _generated_chunks(
     call: GenerateCall, first: Any, pieces: asyncio.Queue[Any], leave: threading.Event
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed generation: per choice its role, its text pieces, its finish."""
-    completion = Completion(call.model)
+    completion = Completion(call.model, bool(call.prompts))
     item, prompt_tokens, completion_tokens, opened = first, 0, 0, set()
     try:
         while item is not None:
@@ -272,7 +291,8 @@ async def _generated_chunks(
                     delta["logprobs"] = token_logprobs(piece.logprobs, call.logprobs or 0)
                 yield completion.chunk([delta])
             if piece.finish_reason is not None:
-                prompt_tokens = piece.prompt_tokens or 0
+                if index % call.n == 0:  # each prompt counted once
+                    prompt_tokens += piece.prompt_tokens or 0
                 completion_tokens += piece.completion_tokens or 0
                 yield completion.chunk([choice_delta(index, {}, piece.finish_reason)])
             item = await pieces.get()
@@ -356,6 +376,7 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         return {"object": "list", "data": calibrations.listing()}
 
     app.post("/v1/chat/completions")(completions.answer)
+    app.post("/v1/completions")(completions.answer_text)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -365,62 +386,12 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _generations(engine: PCDEngine, call: GenerateCall) -> list[Generation]:
-    return [
-        engine.generate(
-            call.messages,
-            max_tokens=call.max_tokens,
-            stop=call.stop,
-            sampling=_nth(call, index),
-            json_object=call.json_object,
-            logprobs=call.logprobs,
-        )
-        for index in range(call.n)
-    ]
-
-
-def _nth(call: GenerateCall | ToolCall, index: int) -> Any:
-    """The sampling of the index-th choice: a given seed is offset so that choices differ."""
-    seed = call.sampling.seed
-    return call.sampling if seed is None else dataclasses.replace(call.sampling, seed=seed + index)
-
-
-def _engine_error(error: PCDError) -> APIError:
-    if isinstance(error, StructuredOutputError):
-        return APIError(500, str(error), type="server_error", code="invalid_model_output")
-    if isinstance(error, InputError):
-        return APIError(400, str(error), param="messages", code="invalid_input")
-    if isinstance(error, (UnsupportedSchemaError, SchemaLimitError)):
-        return APIError(400, str(error), code="unsupported_schema")
-    return APIError(400, str(error), code="invalid_request")
-
-
-async def _while_connected(request: Request, work: Any) -> Any:
-    """`work`'s result; if the client disconnects first, the work is cancelled (a queued request is
-    then dropped before it reaches the model)."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.05)
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task not in done:
-        task.cancel()
-        raise APIError(499, "the client closed the connection", code="client_closed")
-    return task.result()
-
-
 def _answered(
     call: ClassifyCall | ToolCall, answers: list[dict[str, Any]], tokens: dict[str, Any]
 ) -> Response:
     """Whole answers as one completion, or replayed as stream events: a structured answer or a
     decision is known only when whole, so each choice is one content (or tool call) chunk."""
-    completion = Completion(call.model)
+    completion = Completion(call.model, isinstance(call, ClassifyCall) and bool(call.prompts))
     if not call.stream:
         return JSONResponse(completion.body(answers, tokens))
     chunks = []
@@ -433,18 +404,15 @@ def _answered(
         chunks.append(completion.chunk([{**end, "pcd": answer["pcd"]}]))
     if call.include_usage:
         chunks.append(completion.chunk([], tokens))
-    return _event_stream(_replayed(chunks))
+    return event_stream(replayed(chunks))
 
 
-async def _replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    for chunk in chunks:
-        yield chunk
-
-
-def _event_stream(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def lines() -> AsyncIterator[str]:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def _options(call: GenerateCall) -> dict[str, Any]:
+    """The engine's `generate` / `stream` options of a generation call (all but input and sampling)."""
+    return {
+        "max_tokens": call.max_tokens,
+        "stop": call.stop,
+        "json_object": call.json_object,
+        "grammar": call.grammar,
+        "logprobs": call.logprobs,
+    }

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from minicpm_pcd_adapters.openai_protocol import APIError
+from minicpm_pcd_adapters.openai_errors import APIError
 from minicpm_pcd_adapters.server_settings import ServerSettings
 
 

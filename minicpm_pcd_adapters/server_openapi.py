@@ -2,8 +2,10 @@
 
 The routes read raw bodies (`openai_protocol.py` checks them, with OpenAI's error messages), so
 FastAPI cannot see their shapes; this module describes them with Pydantic models and writes the
-document served at `/openapi.json`: the Chat Completions request (`ChatCompletionRequest`, the same
-model that checks it), the completion with its `pcd` extension and `logprobs`, the stream, OpenAI's
+document served at `/openapi.json`: the Chat Completions and Completions requests
+(`ChatCompletionRequest`, `CompletionRequest`: the same models that check them, the other servers'
+constrained-decoding fields included), the answers with their `pcd` extension and `logprobs`, the
+streams, OpenAI's
 error body for every status a route can answer, and the bearer key on every path but `/health`.
 Schemathesis fuzzes the server from this document (tests/test_server_fuzz.py).
 """
@@ -16,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from minicpm_pcd_adapters.openai_completions import CompletionRequest
 from minicpm_pcd_adapters.openai_protocol import ChatCompletionRequest, RequestLimits
 from minicpm_pcd_adapters.server_settings import ServerSettings
 
@@ -203,8 +206,39 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: None = None
 
 
+class TextLogprobs(BaseModel):
+    """`logprobs` of a text completion: per token, its text, log-probability, alternatives, offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: TextLogprobs | None
+    pcd: PCDExtension | None = None  # a choice or a JSON schema answered after the prompt
+
+
+class TextCompletion(BaseModel):
+    """`POST /v1/completions`: one choice per prompt (`n` each), in order."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage | None = None
+    system_fingerprint: None = None
+
+
 MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
     (ChatCompletionRequest, "validation"),
+    (CompletionRequest, "validation"),
+    (TextCompletion, "serialization"),
     (ChatCompletion, "serialization"),
     (ChatCompletionChunk, "serialization"),
     (ErrorBody, "serialization"),
@@ -226,22 +260,14 @@ ERRORS = {
 }
 
 
-STREAM_EVENT = {  # Open API 3.1: the schema of each event
-    "type": "object",
-    "required": ["data"],
-    "properties": {
-        "data": {
-            "anyOf": [
-                {"const": "[DONE]"},
-                {
-                    "type": "string",
-                    "contentMediaType": "application/json",
-                    "contentSchema": {"$ref": "#/components/schemas/ChatCompletionChunk"},
-                },
-            ]
-        }
-    },
-}
+def _stream_event(chunk: str) -> dict[str, Any]:
+    """Open API 3.1: the schema of each server-sent event whose data is a `chunk` object."""
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(chunk)["schema"]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}},
+    }
 
 
 def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dict[str, Any]:
@@ -254,13 +280,17 @@ def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dic
     )
     _, top = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
     schemas = top["$defs"]
-    request = schemas["ChatCompletionRequest"]["properties"]
-    request["model"]["enum"] = [settings.model_name]  # any other is answered 404
     limits = RequestLimits(max_completion_tokens=settings.max_completion_tokens)
-    for name in ("max_tokens", "max_completion_tokens"):
-        _bound(request[name], "integer", "maximum", limits.max_completion_tokens)
-    _bound(request["n"], "integer", "maximum", limits.max_n)
-    _bound(request["stop"], "array", "maxItems", 4)
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        request = schemas[name]["properties"]
+        request["model"]["enum"] = [settings.model_name]  # any other is answered 404
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in request:
+                _bound(request[field], "integer", "maximum", limits.max_completion_tokens)
+        _bound(request["n"], "integer", "maximum", limits.max_n)
+        _bound(request["stop"], "array", "maxItems", 4)
+    _bound(schemas["CompletionRequest"]["properties"]["prompt"], "array", "maxItems", limits.max_prompts)
+    schemas["TextCompletion"]["description"] += " With `stream: true`, the same objects as events."
     document.setdefault("components", {})["schemas"] = schemas
     paths = document["paths"]
     body_of = {
@@ -279,19 +309,21 @@ def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dic
         },
         "401": _error(401),
     }
-    completions = paths["/v1/chat/completions"]["post"]
-    completions["requestBody"] = {
-        "required": True,
-        "content": {"application/json": _ref("ChatCompletionRequest")},
+    routes_ = {
+        "/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+        "/v1/completions": ("CompletionRequest", "TextCompletion", "TextCompletion"),
     }
-    answer = {
-        "description": "the completion; with `stream: true`, server-sent chat.completion.chunk events",
-        "content": {
-            "application/json": _ref("ChatCompletion"),
-            "text/event-stream": {"schema": STREAM_EVENT},
-        },
-    }
-    _answers(completions, {200: answer}, [400, 401, 404, 413, 499, 500, 503, 504])
+    for path, (request_name, answer_name, chunk_name) in routes_.items():
+        operation = paths[path]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": _ref(request_name)}}
+        answer = {
+            "description": f"the completion; with `stream: true`, server-sent {chunk_name} events",
+            "content": {
+                "application/json": _ref(answer_name),
+                "text/event-stream": {"schema": _stream_event(chunk_name)},
+            },
+        }
+        _answers(operation, {200: answer}, [400, 401, 404, 413, 499, 500, 503, 504])
     if settings.api_key:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         document["security"] = [{"bearer": []}]

@@ -132,6 +132,8 @@ def chat_call(
         raise InputError(f"unknown sampling option: {error}") from error
     if isinstance(messages, RawPrompt):
         ids = list(prompt.raw(prompt.raw_head, messages.text).ids)
+        if not ids:
+            raise InputError("the raw prompt is empty: there is nothing to continue")
     else:
         pairs = message_pairs(messages)
         try:
@@ -230,6 +232,10 @@ class ChatMixin:
         options = sampling_options
         call = self._chat_call(messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs)
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile `grammar` as `generate` would (xgrammar caches it): InputError if it cannot be."""
+        self.generator.compile(grammar)
 
     def _chat_call(
         self,

@@ -59,6 +59,7 @@ OPERATIONS = [
     "GET /v1/models/{model_id}",
     "GET /v1/calibrations",
     "POST /v1/chat/completions",
+    "POST /v1/completions",
 ]
 
 
@@ -88,24 +89,44 @@ def decided(case):
     return case
 
 
+def chosen(case):
+    """The case with a vLLM choice: its own options then reach the scored one-field answer (after
+    the conversation, or after every raw prompt)."""
+    if isinstance(case.body, dict):
+        drop = {"tools", "tool_choice", "response_format", "structured_outputs", "structural_tag"}
+        drop |= {"guided_json", "guided_regex", "guided_grammar", "regex", "ebnf", "json_schema", "grammar"}
+        case.body = {k: v for k, v in case.body.items() if k not in drop}
+        case.body["guided_choice"] = ["billing", "bug", "other"]
+    return case
+
+
 POST = "POST /v1/chat/completions"
+COMPLETIONS = "POST /v1/completions"
 
 
 @pytest.mark.parametrize(
     ("label", "mode", "examples"),
-    [(label, GenerationMode.POSITIVE, 8) for label in OPERATIONS if label != POST]
+    [(label, GenerationMode.POSITIVE, 8) for label in OPERATIONS if label not in (POST, COMPLETIONS)]
     + [
         (POST, GenerationMode.POSITIVE, 100),
         (POST, GenerationMode.NEGATIVE, 100),  # the one operation taking a body
         (POST + " structured", GenerationMode.POSITIVE, 100),
         (POST + " tools", GenerationMode.POSITIVE, 60),
+        (POST + " choice", GenerationMode.POSITIVE, 40),
+        (COMPLETIONS, GenerationMode.POSITIVE, 60),
+        (COMPLETIONS, GenerationMode.NEGATIVE, 60),
+        (COMPLETIONS + " choice", GenerationMode.POSITIVE, 40),
     ],
 )
 def test_the_api_answers_what_its_document_says(api, url, label, mode, examples):
     """Schemathesis' cases (Hypothesis drives them; schemathesis' pytest plugin does not run on
     pytest 9), valid bodies and invalid ones alike, each answered and checked."""
-    operation = api.find_operation_by_label(label.removesuffix(" structured").removesuffix(" tools"))
+    operation = api.find_operation_by_label(
+        label.split(" structured")[0].split(" tools")[0].split(" choice")[0]
+    )
     cases = operation.as_strategy(generation_mode=mode)
+    if label.endswith("choice"):
+        cases = cases.map(chosen)
     if label.endswith("structured"):
         cases = cases.map(structured)
     if label.endswith("tools"):
@@ -127,6 +148,7 @@ def test_the_api_answers_what_its_document_says(api, url, label, mode, examples)
 
 
 def test_the_document_describes_the_real_bodies(url):
+    """Both request bodies are the models that check them; the answers carry `pcd` and `logprobs`."""
     document = requests.get(url + "/openapi.json", headers=AUTH, timeout=10).json()
     operation = document["paths"]["/v1/chat/completions"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
@@ -138,3 +160,11 @@ def test_the_document_describes_the_real_bodies(url):
     assert set(operation["responses"]) >= {"200", "400", "401", "404", "413", "500", "503", "504"}
     assert requests.get(url + "/openapi.json", timeout=10).status_code == 401  # behind the key too
     assert document["paths"]["/health"]["get"]["security"] == []
+    completions = document["paths"]["/v1/completions"]["post"]
+    assert completions["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "CompletionRequest"
+    )
+    request = components["CompletionRequest"]["properties"]
+    assert request["model"]["enum"] == ["tiny"]
+    assert {"guided_choice", "structured_outputs", "regex", "ebnf", "grammar", "json_schema"} <= set(request)
+    assert "pcd" in components["TextChoice"]["properties"]

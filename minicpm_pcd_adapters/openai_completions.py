@@ -1,0 +1,214 @@
+"""The Completions protocol (`POST /v1/completions`) as `pcd serve` reads and writes it, as vLLM
+serves it: `prompt` (a string or a list) is continued as written, with no chat template, so base
+checkpoints answer too. No web framework and no model here.
+
+`parse_completion(body, limits)` returns the same calls as chat (`openai_protocol.py`), with the
+prompts as raw inputs:
+- a `ClassifyCall` for a choice or a JSON schema (`openai_structured.py`, or `response_format`):
+  every prompt of the list in one `classify_batch`, each answered right after its prompt;
+- a `GenerateCall` otherwise (plain, regex, grammar or JSON-object generation).
+The answers the server builds for chat are written in this protocol's shape by `text_body` and
+`text_chunk`: `text` instead of a message, and `logprobs` as `tokens`, `token_logprobs`,
+`top_logprobs` and `text_offset`. A list of prompts answers with one choice per prompt (`n` each),
+in order.
+
+>>> call = parse_completion({"model": "m", "prompt": ["A", "B"]}, RequestLimits())
+>>> type(call).__name__, call.prompts, call.max_tokens
+('GenerateCall', ('A', 'B'), 16)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from minicpm_pcd_adapters.openai_errors import APIError
+from minicpm_pcd_adapters.openai_protocol import (
+    ClassifyCall,
+    GenerateCall,
+    PCDOptions,
+    RequestLimits,
+    ResponseFormat,
+    StreamOptions,
+    request_sampling,
+    shape_error,
+)
+from minicpm_pcd_adapters.openai_structured import (
+    ConstrainedDecoding,
+    Constraint,
+    choice_schema,
+    read_constraint,
+)
+from pcd_engine import RawPrompt
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
+
+
+class CompletionRequest(ConstrainedDecoding):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]  # token ids: refused with a clear 400
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=1, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
+    pcd: PCDOptions | None = None
+
+
+def parse_completion(body: Any, limits: RequestLimits) -> ClassifyCall | GenerateCall:
+    """The call a Completions body asks for; APIError (400) for anything not honoured."""
+    if not isinstance(body, Mapping):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        request = CompletionRequest.model_validate(body)
+    except ValidationError as error:
+        raise shape_error(error) from None
+    prompts = _prompts(request, limits)
+    _refuse_unsupported(request, limits)
+    constraint = _constraint(request)
+    n, stream = request.n or 1, bool(request.stream)
+    if request.stream_options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    usage = bool(request.stream_options and request.stream_options.include_usage)
+    abstain = request.pcd.abstain_below if request.pcd else None
+    sampling = request_sampling(request)
+    if constraint is not None and constraint.kind in ("choice", "json"):
+        answer = "choice" if constraint.kind == "choice" else "json"
+        schema = choice_schema(constraint.value) if answer == "choice" else constraint.value
+        raw = tuple(RawPrompt(p, "value" if answer == "choice" else "json") for p in prompts)
+        return ClassifyCall(
+            request.model, schema, None, "", sampling, n, None, abstain, stream, usage, constraint.param,
+            logprobs=request.logprobs, answer=answer, prompts=raw,
+        )  # fmt: skip
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    grammar, param = (constraint.grammar(), constraint.param) if constraint else (None, None)
+    return GenerateCall(
+        request.model, [], request.max_tokens or DEFAULT_MAX_TOKENS, stop, sampling, False, n, stream, usage,
+        request.logprobs, grammar, param, tuple(prompts),
+    )  # fmt: skip
+
+
+def _prompts(request: CompletionRequest, limits: RequestLimits) -> list[str]:
+    prompts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
+    if not all(isinstance(p, str) for p in prompts):
+        message = "prompt must be text (a string or a list of strings); token ids are not accepted"
+        raise APIError(400, message, param="prompt", code="invalid_value")
+    if not prompts:
+        raise APIError(400, "prompt must not be an empty list", param="prompt", code="invalid_value")
+    if len(prompts) > limits.max_prompts:
+        message = f"prompt holds {len(prompts)} prompts, over this server's limit of {limits.max_prompts}"
+        raise APIError(400, message, param="prompt", code="invalid_value")
+    total = sum(len(str(p)) for p in prompts)
+    if total > limits.max_text_chars:
+        message = f"the prompts hold {total} characters, over this server's limit of {limits.max_text_chars}"
+        raise APIError(400, message, param="prompt", code="string_above_max_length")
+    return [str(p) for p in prompts]
+
+
+def _refuse_unsupported(request: CompletionRequest, limits: RequestLimits) -> None:
+    refused = {
+        "suffix": "suffix (insertion) is not supported by this server",
+        "echo": "echo is not supported by this server: the prompt is yours already",
+        "logit_bias": "logit_bias is not supported by this server",
+        "presence_penalty": "presence_penalty is not supported by this server",
+        "frequency_penalty": "frequency_penalty is not supported by this server",
+    }
+    for name, message in refused.items():
+        if getattr(request, name):  # None, False, 0, "" and {} mean "not used"
+            raise APIError(400, message, param=name, code="unsupported_parameter")
+    n = request.n or 1
+    if request.best_of not in (None, n):
+        message = f"best_of must equal n ({n}) on this server: it keeps every sample it draws"
+        raise APIError(400, message, param="best_of", code="unsupported_parameter")
+    if n > limits.max_n:
+        raise APIError(400, f"n must be at most {limits.max_n}, got {n}", param="n", code="invalid_value")
+    if (request.max_tokens or 0) > limits.max_completion_tokens:
+        message = f"max_tokens must be at most {limits.max_completion_tokens} on this server"
+        raise APIError(400, message, param="max_tokens", code="invalid_value")
+    if isinstance(request.stop, list) and len(request.stop) > 4:
+        raise APIError(400, "stop takes at most 4 sequences", param="stop", code="invalid_value")
+
+
+def _constraint(request: CompletionRequest) -> Constraint | None:
+    """The request's constraint: a vLLM, SGLang or llama.cpp parameter, or `response_format`."""
+    constraint = read_constraint(request)
+    format_ = request.response_format
+    if format_ is None or format_.type == "text":
+        return constraint
+    if constraint is not None:
+        message = f"conflicting constraints: response_format and {constraint.param}; give one"
+        raise APIError(400, message, param=constraint.param, code="conflicting_parameters")
+    if format_.type == "json_object":
+        return Constraint("json_object", None, "response_format")
+    if format_.json_schema is None:
+        raise APIError(
+            400, "response_format json_schema needs its json_schema object", param="response_format"
+        )
+    return Constraint("json", dict(format_.json_schema.schema_), "response_format.json_schema.schema")
+
+
+# -- answers: chat-shaped choices written as text completions ---------------------------------------
+
+
+def text_body(
+    completion_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any
+) -> dict:
+    """A `text_completion` object from chat-shaped choices (a `message`, chat `logprobs`)."""
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_text_choice(c, c["message"].get("content") or "") for c in choices],
+        "usage": usage,
+        "system_fingerprint": None,
+    }
+
+
+def text_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A chat stream chunk written as a `text_completion` chunk (a delta's content as `text`)."""
+    choices = [_text_choice(c, c["delta"].get("content") or "") for c in chunk["choices"]]
+    return {**chunk, "object": "text_completion", "choices": choices}
+
+
+def _text_choice(choice: dict[str, Any], text: str) -> dict[str, Any]:
+    out = {
+        "index": choice["index"],
+        "text": text,
+        "logprobs": _text_logprobs(choice.get("logprobs")),
+        "finish_reason": choice["finish_reason"],
+    }
+    if "pcd" in choice:
+        out["pcd"] = choice["pcd"]
+    return out
+
+
+def _text_logprobs(logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat `logprobs` (`content` entries) in the Completions form, offsets into the answer's text."""
+    if logprobs is None:
+        return None
+    entries = logprobs["content"]
+    offsets, at = [], 0
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,61 @@
+"""What the server's endpoints share around the model worker: work cancelled when its client leaves,
+engine errors as OpenAI error bodies, and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from minicpm_pcd_adapters.openai_errors import APIError
+from pcd_engine import InputError, PCDError, SchemaLimitError, StructuredOutputError, UnsupportedSchemaError
+
+
+def engine_error(error: PCDError, input_param: str = "messages") -> APIError:
+    """The HTTP error for an engine error: 500 for a model output that failed validation, else 400
+    (an input error names `input_param`: "messages" in chat, "prompt" in completions)."""
+    if isinstance(error, StructuredOutputError):
+        return APIError(500, str(error), type="server_error", code="invalid_model_output")
+    if isinstance(error, InputError):
+        return APIError(400, str(error), param=input_param, code="invalid_input")
+    if isinstance(error, (UnsupportedSchemaError, SchemaLimitError)):
+        return APIError(400, str(error), code="unsupported_schema")
+    return APIError(400, str(error), code="invalid_request")
+
+
+async def while_connected(request: Request, work: Any) -> Any:
+    """`work`'s result; if the client disconnects first, the work is cancelled (a queued request is
+    then dropped before it reaches the model)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        raise APIError(499, "the client closed the connection", code="client_closed")
+    return task.result()
+
+
+async def replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for chunk in chunks:
+        yield chunk
+
+
+def event_stream(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
