@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from minicpm_pcd_adapters.openai_errors import APIError
+from minicpm_pcd_adapters.openai_errors import APIError, shape_error
 from minicpm_pcd_adapters.openai_protocol import (
     ClassifyCall,
     GenerateCall,
@@ -33,7 +33,6 @@ from minicpm_pcd_adapters.openai_protocol import (
     ResponseFormat,
     StreamOptions,
     request_sampling,
-    shape_error,
 )
 from minicpm_pcd_adapters.openai_structured import (
     ConstrainedDecoding,

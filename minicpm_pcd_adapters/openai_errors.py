@@ -1,8 +1,11 @@
-"""OpenAI's error body, which every non-2xx answer of `pcd serve` carries (a leaf: no other import)."""
+"""OpenAI's error body, which every non-2xx answer of `pcd serve` carries, and the one for a request
+body of the wrong shape (a leaf: no import from this package)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import ValidationError
 
 
 class APIError(Exception):
@@ -22,3 +25,21 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def shape_error(error: ValidationError) -> APIError:
+    """The 400 for a body of the wrong shape: the first error; an unknown parameter, or SGLang's
+    `structural_tag` response format, named as such."""
+    tagged = [
+        e
+        for e in error.errors()
+        if e["loc"] == ("response_format", "type") and e["input"] == "structural_tag"
+    ]
+    if tagged:
+        message = "response_format structural_tag is not supported: use a JSON schema, a regex or a grammar"
+        return APIError(400, message, param="response_format.type", code="unsupported_parameter")
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
+    return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minicpm_pcd_adapters.messages import structured_request
-from minicpm_pcd_adapters.openai_errors import APIError
+from minicpm_pcd_adapters.openai_errors import APIError, shape_error
 from minicpm_pcd_adapters.openai_structured import (
     ConstrainedDecoding,
     Constraint,
@@ -312,14 +312,6 @@ def _alone(constraint: Constraint, request: ChatCompletionRequest) -> None:
         return
     message = f"conflicting constraints: {other} and {constraint.param}; give one"
     raise APIError(400, message, param=constraint.param, code="conflicting_parameters")
-
-
-def shape_error(error: ValidationError) -> APIError:
-    first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    if first["type"] == "extra_forbidden":
-        return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
-    return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")
 
 
 def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:

@@ -30,7 +30,7 @@ from pcd_engine.layout import (
 )
 from pcd_engine.prompt import LAYOUTS, ChatPrompt
 from pcd_engine.schema import YES_NO, CompiledSchema, Decision, Limits
-from pcd_engine.scoring import OptionRule, Rule
+from pcd_engine.scoring import ContextualCalibration, OptionRule, Rule
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,10 @@ def _raw_plan(
     wording: str,
 ) -> SchemaPlan:
     """The plan after a raw prompt: no system text, the tokenizer's BOS (if any) as the head, no
-    codes (nothing lists them). "raw-value" writes a one-field schema's value alone; where one
-    value's tokens begin another's, every value ends with the end-of-text token."""
+    codes (nothing lists them) and no content-free prior (the prompt's wording is the caller's, so
+    there is no content-free input to take one from: a `-cc` rule's base rule applies). "raw-value"
+    writes a one-field schema's value alone; where one value's tokens begin another's, every value
+    ends with the end-of-text token."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown prompt layout {layout!r}; choose one of {LAYOUTS}")
     if examples:
@@ -200,6 +202,7 @@ def _raw_plan(
             )
         wording = "value"
     used = OptionRule("sum") if rule.uses_codes else rule
+    used = used.base if isinstance(used, ContextualCalibration) else used
     plans = []
     for decision in compiled.decisions:
         if len(decision.candidates) < 2:

@@ -87,9 +87,8 @@ class Scorer:
         if cached is not None:
             return cached
         runs = []
-        raw = plan.layout != "chat"  # a raw prompt is the text alone: an empty one has no last token
-        for text in [t for t in CONTENT_FREE_TEXTS if t] if raw else CONTENT_FREE_TEXTS:
-            ids = (self.prompt.raw if raw else self.prompt.with_head)(plan.head, text).ids
+        for text in CONTENT_FREE_TEXTS:
+            ids = self.prompt.with_head(plan.head, text).ids
             runs.append(self._alone(ids, plan.trees, stats, len(plan.head), key[1]))
         count = torch.log(torch.tensor(float(len(runs))))
         priors = [

@@ -343,6 +343,12 @@ def test_completions_json_schema_grammar_stream_and_n(client, engine):
             ["tools"],
         ),
         ("chat", {"structural_tag": {"type": "structural_tag"}}, 400, ["structural_tag"]),
+        (  # SGLang's documented structural_tag response format
+            "chat",
+            {"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<function="]}},
+            400,
+            ["structural_tag is not supported"],
+        ),
         ("chat", {"guided_choice": []}, 400, ["guided_choice"]),
         ("chat", {"guided_choice": ["a", "a"]}, 400, ["distinct"]),
         ("chat", {"guided_regex": "(unclosed"}, 400, ["guided_regex", "Regex parsing error"]),
