@@ -148,6 +148,7 @@ class PCDResult(Generic[T]):
             "value": self.value.model_dump(mode="json") if isinstance(self.value, BaseModel) else self.value,
             "fields": {path: f.to_json() for path, f in self.fields.items()},
             "needs_review": self.needs_review,
+            "abstained_fields": self.abstained_fields,
         }
 
 

@@ -190,9 +190,15 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
         "head",  # auto may choose a head (issue 23): `classify --calibration` applies it too
         "none",
     }
+    for r in records:  # the fields below 0.99, as the server's answers list them
+        assert r["abstained_fields"] == [p for p, f in r["fields"].items() if f.get("abstained")] != []
     wrong = run_pcd("evaluate", "--schema", "examples/ticket.py:TriagedTicket", "--input", labeled,
-                    "--model", "smollm2", "--calibration", saved, "--report", report_dir)  # fmt: skip
+                    "--model", "smollm2", "--calibration", saved, "--report", tmp_path / "other")  # fmt: skip
     assert wrong.returncode == 2 and "another schema" in wrong.stderr
+    assert LOADING not in wrong.stderr  # refused before the model loads
+
+
+LOADING = "de-quantizing GGUF tensors"  # what loading SmolLM2 writes to stderr
 
 
 def run_pcd(*args: object) -> subprocess.CompletedProcess[str]:

@@ -18,6 +18,7 @@ from minicpm_pcd_adapters.cli.options import (
     load_for,
     read_labeled,
 )
+from minicpm_pcd_adapters.loaders import load_schema
 from pcd_engine import PCDEngine, PCDError
 
 
@@ -36,7 +37,7 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         check_paths(args)
-        rows = read_labeled(Path(args.input), args.text_key, args.label_key)
+        rows = read_labeled(Path(args.input), args.text_key, args.label_key, load_schema(args.schema))
         schema, engine, _ = load_for(args)
     except SETUP_ERRORS as error:
         return fail(error)

@@ -21,7 +21,7 @@ from minicpm_pcd_adapters.cli.options import (
     input_options,
     load_for,
 )
-from minicpm_pcd_adapters.files import classify_file, count_lines
+from minicpm_pcd_adapters.files import answered_lines, classify_file, count_lines
 from minicpm_pcd_adapters.loaders import load_schema
 from pcd_engine import Calibration, PCDEngine, PCDError
 
@@ -67,6 +67,12 @@ def main(args: argparse.Namespace) -> int:
         check_paths(args)
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+        if args.resume and len(answered_lines(Path(args.output))) >= count_lines(Path(args.input)):
+            print(
+                f"pcd: every line of {args.input} is answered in {args.output}; nothing to resume",
+                file=sys.stderr,
+            )
+            return 0  # before any model loads
         schema, engine, calibration = load_for(args)
     except SETUP_ERRORS as error:
         return fail(error)

@@ -16,9 +16,11 @@ from minicpm_pcd_adapters.cli.options import (
     check_paths,
     fail,
     input_options,
+    load_calibration,
     load_for,
     read_labeled,
 )
+from minicpm_pcd_adapters.loaders import load_schema
 from pcd_engine import Calibration, Evaluation, PCDEngine, PCDError, evaluate
 
 
@@ -36,18 +38,45 @@ def add_parser(sub: Any) -> None:
         "--examples", type=int, default=0, help="use the first N labeled lines as in-context examples "
         "(in the cached head) and score the rest"
     )  # fmt: skip
-    parser.add_argument("--report", default="out/evaluate", help="folder for report.json and the PNG plots")
+    parser.add_argument(
+        "--report",
+        default="out/evaluate",
+        help="folder for report.json and the PNG plots (default: out/evaluate); one that already holds "
+        "a report needs --overwrite",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace the report already in --report "
+                        "(its report.json, calibration and PNG plots are removed first)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     try:  # everything checkable before the model loads
         check_paths(args)
+        check_report(Path(args.report), args.overwrite)
         import_plots()
-        rows = read_labeled(Path(args.input), args.text_key, args.label_key)
+        schema = load_schema(args.schema)
+        load_calibration(args, schema)  # a calibration for another schema is the first thing to say
+        rows = read_labeled(Path(args.input), args.text_key, args.label_key, schema)
         schema, engine, calibration = load_for(args)
     except SETUP_ERRORS as error:
         return fail(error)
     return run(engine, schema, rows, args, calibration)
+
+
+REPORT_FILES = ("report.json", "calibration.json", "calibration.safetensors", "*.png")
+
+
+def check_report(report: Path, overwrite: bool) -> None:
+    """Before the model loads: a report folder that already holds a report is refused unless
+    `overwrite`, and then emptied of it, so that one run's plots never sit beside another's."""
+    if report.exists() and not report.is_dir():
+        raise NotADirectoryError(f"--report {report} is a file; name a folder")
+    old = [p for pattern in REPORT_FILES for p in report.glob(pattern)] if report.is_dir() else []
+    if old and not overwrite:
+        raise FileExistsError(
+            f"--report {report} already holds a report; pass --overwrite or name another folder"
+        )
+    for path in old:
+        path.unlink()
 
 
 def import_plots() -> Any:

@@ -6,6 +6,7 @@ Everything here runs before a model loads, so a bad option or path costs no load
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -14,7 +15,17 @@ from typing import Any
 
 from minicpm_pcd_adapters.loaders import MODELS, load_engine, load_schema
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B
-from pcd_engine import RULES, TEXT_FRAMINGS, Calibration, PCDEngine, PCDError
+from pcd_engine import (
+    RULES,
+    TEXT_FRAMINGS,
+    Calibration,
+    CalibrationError,
+    CompiledSchema,
+    Limits,
+    PCDEngine,
+    PCDError,
+    compile_schema,
+)
 
 # what a command turns into exit code 2 (usage, path, schema or loading errors)
 SETUP_ERRORS = (PCDError, ImportError, AttributeError, TypeError, ValueError, OSError)
@@ -26,7 +37,8 @@ def fail(error: object) -> int:
 
 
 def input_options(parser: argparse.ArgumentParser, input_help: str) -> None:
-    parser.add_argument("--schema", required=True, help="module:Class or path/to/file.py:Class")
+    parser.add_argument("--schema", required=True, help="module:Class, path/to/file.py:Class, or a JSON "
+        "file: a JSON Schema object, or a development set's NAME.schema.json")  # fmt: skip
     parser.add_argument("--input", required=True, help=input_help)
     model_options(parser)
     parser.add_argument("--instructions", default=None, help="system instructions replacing the default")
@@ -80,8 +92,12 @@ def check_paths(args: argparse.Namespace) -> None:
         raise PermissionError(f"--output {target}: not writable")
 
 
-def read_labeled(path: Path, text_key: str, label_key: str) -> list[tuple[str, dict[str, Any] | None]]:
-    """(text, label or None) per line of a JSONL file; ValueError naming the line for a bad one."""
+def read_labeled(
+    path: Path, text_key: str, label_key: str, schema: Any = None
+) -> list[tuple[str, dict[str, Any] | None]]:
+    """(text, label or None) per line of a JSONL file; ValueError naming the line (counted from 1)
+    for a bad one. With `schema`, every label's fields and values are checked against it."""
+    compiled = compile_schema(schema, Limits(), allow_open=True) if schema is not None else None
     rows = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
@@ -96,21 +112,69 @@ def read_labeled(path: Path, text_key: str, label_key: str) -> list[tuple[str, d
             label = value.get(label_key, value.get("labels"))
             if label is not None and not isinstance(label, dict):
                 raise ValueError(f"{path}:{number}: {label_key!r} must be an object of field values")
+            if label is not None and compiled is not None:
+                check_label(label, compiled, f"{path}:{number}")
             rows.append((value[text_key], label))
     if not rows:
         raise ValueError(f"{path} has no input lines")
     return rows
 
 
+def check_label(label: dict[str, Any], compiled: CompiledSchema, where: str) -> None:
+    """ValueError naming `where` for a label field the schema lacks (with the nearest field's name)
+    or a closed field's value it does not allow. Nested and open fields are left to the engine."""
+    names = sorted({f.json_keys[0] for f in compiled.fields} | {o.json_keys[0] for o in compiled.open_fields})
+    closed = {f.json_keys[0]: f for f in compiled.fields if len(f.json_keys) == 1}
+    for key, value in label.items():
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"the fields are {', '.join(names)}"
+            raise ValueError(f"{where}: the label has no field {key!r} in the schema; {hint}")
+        field = closed.get(key)
+        if field is None:
+            continue
+        allowed = [c.value for c in field.candidates]
+        values = value if field.multi_label and isinstance(value, list) else [value]
+        bad = [v for v in values if not any(type(v) is type(a) and v == a for a in allowed)]
+        if bad:
+            shown = ", ".join(json.dumps(a) for a in allowed[:12]) + (", ..." if len(allowed) > 12 else "")
+            raise ValueError(f"{where}: label {key!r} has the value {json.dumps(bad[0])}, not one of {shown}")
+
+
 def load_for(args: argparse.Namespace) -> tuple[Any, PCDEngine, Calibration | None]:
-    """(schema, engine, calibration) of a model command, the schema planned (its errors raised)
-    before any input is read."""
+    """(schema, engine, calibration) of a model command, the schema planned (its errors raised) and
+    the calibration checked against it before any output is written: the fields it was fitted for
+    before the model loads, then the plan, model and rules after."""
     schema = load_schema(args.schema)
-    calibration = Calibration.load(args.calibration) if getattr(args, "calibration", None) else None
+    calibration = load_calibration(args, schema)
     engine = load_engine(
         args.model,
         **engine_options(args),
         allow_generation=False if getattr(args, "no_generation", False) else None,
     )
-    engine.plan(schema, instructions=args.instructions)
+    plan = engine.plan(schema, instructions=args.instructions)
+    if calibration is not None:
+        calibration.check(plan, engine.model_identity)
     return schema, engine, calibration
+
+
+def load_calibration(args: argparse.Namespace, schema: Any) -> Calibration | None:
+    """`--calibration`, if given, loaded and checked against the fields the schema scores (no model
+    needed: the plan, model and rules are checked once the model is loaded)."""
+    if not getattr(args, "calibration", None):
+        return None
+    calibration = Calibration.load(args.calibration)
+    check_calibration_fields(calibration, compile_schema(schema, Limits(), allow_open=True))
+    return calibration
+
+
+def check_calibration_fields(calibration: Calibration, compiled: CompiledSchema) -> None:
+    """CalibrationError when the calibration was fitted for other fields than the schema scores."""
+    scored = {d.path for d in compiled.decisions if len(d.candidates) > 1}
+    fitted = set(calibration.rules)
+    if scored != fitted:
+        which = sorted(fitted - scored) or sorted(scored - fitted)
+        side = "the schema has no field" if fitted - scored else "the calibration has no field"
+        raise CalibrationError(
+            f"--calibration was fitted for another schema: {side} {which[0]!r}; fit one for this schema"
+        )
