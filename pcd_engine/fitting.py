@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,10 +176,12 @@ def fit(
     folds: int = 5,
     seed: int = 0,
     hidden: Sequence[HiddenStates | None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """A Calibration of every scored field from the texts' raw field results (None: a text that got
     no answer), when given their labels, and for "head" (or "auto" with heads) their hidden states.
-    With labels, the report's figures are out-of-fold."""
+    With labels, the report's figures are out-of-fold. `progress(path)` is called as each field's
+    fitting starts."""
     if method not in (*METHODS, "auto"):
         raise CalibrationError(f"unknown method {method!r}; choose one of {[*METHODS, 'auto']}")
     if labels is None and method not in ("batch", "auto", "none"):
@@ -190,6 +192,8 @@ def fit(
     fitted: dict[str, FieldMap] = {}
     reports, held = {}, {}
     for path, d in data.items():
+        if progress is not None:
+            progress(path)
         if labels is None:
             fitted[path], reports[path] = _fit_unlabeled(d, "batch" if method == "auto" else method)
             continue

@@ -78,6 +78,7 @@ class LearningMixin:
         rule: str | Rule | None = None,
         examples: Sequence[tuple[str, Any]] | None = None,
         progress: Callable[[int], None] | None = None,
+        fit_progress: Callable[[str], None] | None = None,
     ) -> Calibration:
         """Fit a Calibration of the schema's scored fields on these texts (see calibration.py).
 
@@ -86,7 +87,9 @@ class LearningMixin:
         report is cross-validated over `folds`; without labels, batch calibration. `method`:
         "auto" (per field, the best cross-validated method that does not lower accuracy), "head"
         (a linear head on the model's hidden states and the rule's scores), "bias",
-        "temperature", "batch" or "none". Open fields are not generated.
+        "temperature", "batch" or "none". Open fields are not generated. `progress(n)` is called as
+        texts are scored, then `fit_progress(path)` as each field's fitting starts (with heads,
+        the slow part).
         """
         plan = self.plan(schema, instructions=instructions, rule=rule, examples=examples)
         if labels is not None:
@@ -99,7 +102,10 @@ class LearningMixin:
         scored = self.score_fields(plan, texts, hidden=keep_hidden, progress=progress)
         per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
         hidden = [None if isinstance(s, PCDError) else s[1] for s in scored] if keep_hidden else None
-        return fitting.fit(plan, self.model_identity, per_text, labels, method, folds, hidden=hidden)
+        identity = self.model_identity
+        return fitting.fit(
+            plan, identity, per_text, labels, method, folds, hidden=hidden, progress=fit_progress
+        )
 
     def score_fields(
         self: Pipeline,

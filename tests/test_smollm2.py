@@ -162,6 +162,7 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
     fitted = run_pcd("calibrate", *common, "--output", saved, "--folds", "4")
     assert fitted.returncode == 0, fitted.stderr
     assert "(cross-validated, n=16)" in fitted.stdout and saved.exists()
+    assert "fit (auto, 4-fold)" in fitted.stderr and "4/4" in fitted.stderr  # a bar over the 4 fields
     report_dir = tmp_path / "report"
     measured = run_pcd("evaluate", *common, "--calibration", saved, "--fit", "8", "--report", report_dir)
     assert measured.returncode == 0, measured.stderr

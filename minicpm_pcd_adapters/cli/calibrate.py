@@ -52,8 +52,20 @@ def run(
 ) -> int:
     labeled = any(label is not None for _, label in rows)
     labels = [label or {} for _, label in rows] if labeled else None
+    fields = len(engine.plan(schema, instructions=args.instructions).scored_decisions)
+    how = f"{args.method}, {args.folds}-fold" if labeled else "batch"
+    fit_bar: list[Any] = []  # opened once scoring is done and the first field's fitting starts
     try:
-        with tqdm(total=len(rows), desc="calibrate", unit="text", file=sys.stderr) as bar:
+        with tqdm(total=len(rows), desc="score", unit="text", file=sys.stderr) as bar:
+
+            def fitting(path: str) -> None:  # a field starts: the one before it is done
+                if not fit_bar:
+                    bar.close()
+                    fit_bar.append(tqdm(total=fields, desc=f"fit ({how})", unit="field", file=sys.stderr))
+                else:
+                    fit_bar[0].update(1)
+                fit_bar[0].set_postfix_str(path)
+
             fitted = engine.calibrate(
                 schema,
                 [text for text, _ in rows],
@@ -62,7 +74,11 @@ def run(
                 folds=args.folds,
                 instructions=args.instructions,
                 progress=bar.update,
+                fit_progress=fitting,
             )
+        for done in fit_bar:
+            done.update(done.total - done.n)
+            done.close()
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         fitted.save(output)
