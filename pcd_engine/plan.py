@@ -214,8 +214,11 @@ def _raw_plan(
         try:
             tree = build_tree(prompt.encode_text, branch, texts, cut)
         except TokenizationError:  # a bare value whose tokens begin another's
-            end = (prompt.tokenizer.eos_token_id,)
-            tree = build_tree(prompt.encode_text, branch, texts, cut, end=end)
+            eos = prompt.tokenizer.eos_token_id
+            if eos is None:
+                why = "one value's tokens begin another's, and the tokenizer has no end-of-text token"
+                raise UnsupportedSchemaError(decision.path, compiled.schema, why) from None
+            tree = build_tree(prompt.encode_text, branch, texts, cut, end=(eos,))
         _check_lengths(tree, decision, limits)
         plans.append(DecisionPlan(decision, tree, used))
     schema = None
