@@ -1,5 +1,6 @@
 """PNG plots of an evaluation (matplotlib, files only): a reliability diagram and coverage-accuracy
-curves, one line or bar set per scored field."""
+curves, one line or bar set per scored field; the coverage curves mark where `--abstain-below`
+0.5, 0.7 and 0.9 would put each field and its majority-answer floor."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pcd_engine import Evaluation
 
 def reliability_diagram(evaluation: Evaluation, path: Path, title: str = "") -> Path:
     """Per field, accuracy against mean confidence in each confidence bin (the diagonal is perfect
-    calibration); marker size grows with the bin's count."""
+    calibration); a marker's area is its bin's count. Below 100 answers a field's bins are noisy,
+    and the plot says so."""
     fig, ax = plt.subplots(figsize=(6, 6))
-    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="calibrated")
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
     for name, f in evaluation.fields.items():
         report = f.report()
         bins = report.get("reliability", [])
@@ -32,8 +34,10 @@ def reliability_diagram(evaluation: Evaluation, path: Path, title: str = "") -> 
             color=line.get_color(),
             label=f"{name} (ECE {report['ece']:.3f})",
         )
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title or "reliability")
+    xlabel = "confidence (marker area: the bin's count)"
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel="accuracy", title=title or "reliability")
     ax.legend(fontsize=7, loc="upper left")
+    _small_sample_note(ax, evaluation)
     return _save(fig, path)
 
 
@@ -42,13 +46,38 @@ def coverage_plot(evaluation: Evaluation, path: Path, title: str = "") -> Path:
     confidence threshold."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, f in evaluation.fields.items():
-        curve = f.report().get("coverage_accuracy", [])
-        if curve:
-            ax.plot([p["coverage"] for p in curve], [p["accuracy"] for p in curve], label=name)
+        report = f.report()
+        curve = report.get("coverage_accuracy", [])
+        if not curve:
+            continue
+        (line,) = ax.plot([p["coverage"] for p in curve], [p["accuracy"] for p in curve], label=name)
+        color = line.get_color()
+        ax.axhline(report["majority"], color=color, linestyle=":", linewidth=1)  # always the top label
+        for threshold in THRESHOLDS:  # where --abstain-below t would put this field
+            kept = [p for p in curve if p["threshold"] >= threshold]
+            if kept:
+                point = max(kept, key=lambda p: p["coverage"])
+                ax.plot(point["coverage"], point["accuracy"], marker="o", color=color, markersize=4)
+                ax.annotate(f"{threshold:g}", (point["coverage"], point["accuracy"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points", color=color)  # fmt: skip
+    ax.plot([], [], color="grey", linestyle=":", label="majority answer (dotted)")
+    ax.plot([], [], color="grey", marker="o", linestyle="", label="--abstain-below 0.5 / 0.7 / 0.9")
     ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="coverage (share answered)", ylabel="accuracy on answered")
     ax.set_title(title or "coverage vs accuracy (abstaining below a confidence)")
     ax.legend(fontsize=7, loc="lower left")
+    _small_sample_note(ax, evaluation)
     return _save(fig, path)
+
+
+THRESHOLDS = (0.5, 0.7, 0.9)
+
+
+def _small_sample_note(ax: plt.Axes, evaluation: Evaluation) -> None:
+    """A warning on the plot when a field has fewer than 100 scored answers."""
+    smallest = min((f.report()["n"] for f in evaluation.fields.values()), default=0)
+    if 0 < smallest < 100:
+        ax.text(0.98, 0.02, f"only {smallest} answers: noisy", transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=7, color="firebrick")  # fmt: skip
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
