@@ -37,8 +37,9 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         check_paths(args)
-        rows = read_labeled(Path(args.input), args.text_key, args.label_key, load_schema(args.schema))
-        schema, engine, _ = load_for(args)
+        schema = load_schema(args.schema)
+        rows = read_labeled(Path(args.input), args.text_key, args.label_key, schema)
+        schema, engine, _ = load_for(args, schema)
     except SETUP_ERRORS as error:
         return fail(error)
     return run(engine, schema, rows, args)

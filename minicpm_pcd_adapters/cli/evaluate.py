@@ -17,7 +17,7 @@ from minicpm_pcd_adapters.cli.options import (
     fail,
     input_options,
     load_calibration,
-    load_for,
+    load_model,
     read_labeled,
 )
 from minicpm_pcd_adapters.loaders import load_schema
@@ -54,9 +54,9 @@ def main(args: argparse.Namespace) -> int:
         check_report(Path(args.report), args.overwrite)
         import_plots()
         schema = load_schema(args.schema)
-        load_calibration(args, schema)  # a calibration for another schema is the first thing to say
+        calibration = load_calibration(args, schema)  # for other fields: the first thing to say
         rows = read_labeled(Path(args.input), args.text_key, args.label_key, schema)
-        schema, engine, calibration = load_for(args)
+        engine = load_model(args, schema)  # `run` checks the calibration on the plan with --examples
     except SETUP_ERRORS as error:
         return fail(error)
     return run(engine, schema, rows, args, calibration)

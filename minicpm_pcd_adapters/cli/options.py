@@ -141,21 +141,27 @@ def check_label(label: dict[str, Any], compiled: CompiledSchema, where: str) -> 
             raise ValueError(f"{where}: label {key!r} has the value {json.dumps(bad[0])}, not one of {shown}")
 
 
-def load_for(args: argparse.Namespace) -> tuple[Any, PCDEngine, Calibration | None]:
-    """(schema, engine, calibration) of a model command, the schema planned (its errors raised) and
-    the calibration checked against it before any output is written: the fields it was fitted for
-    before the model loads, then the plan, model and rules after."""
-    schema = load_schema(args.schema)
+def load_for(args: argparse.Namespace, schema: Any = None) -> tuple[Any, PCDEngine, Calibration | None]:
+    """(schema, engine, calibration) of a model command (`schema`: already loaded), the schema
+    planned (its errors raised) and the calibration checked against it before any output is
+    written: the fields it was fitted for before the model loads, then the plan, model and rules."""
+    schema = load_schema(args.schema) if schema is None else schema
     calibration = load_calibration(args, schema)
+    engine = load_model(args, schema)
+    if calibration is not None:
+        calibration.check(engine.plan(schema, instructions=args.instructions), engine.model_identity)
+    return schema, engine, calibration
+
+
+def load_model(args: argparse.Namespace, schema: Any) -> PCDEngine:
+    """The engine of a model command, with the schema planned on it (its errors raised)."""
     engine = load_engine(
         args.model,
         **engine_options(args),
         allow_generation=False if getattr(args, "no_generation", False) else None,
     )
-    plan = engine.plan(schema, instructions=args.instructions)
-    if calibration is not None:
-        calibration.check(plan, engine.model_identity)
-    return schema, engine, calibration
+    engine.plan(schema, instructions=args.instructions)
+    return engine
 
 
 def load_calibration(args: argparse.Namespace, schema: Any) -> Calibration | None:
