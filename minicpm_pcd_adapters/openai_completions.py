@@ -19,12 +19,11 @@ in order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from minicpm_pcd_adapters.openai_errors import APIError, shape_error
+from minicpm_pcd_adapters.openai_errors import APIError, read_body
 from minicpm_pcd_adapters.openai_protocol import (
     ClassifyCall,
     GenerateCall,
@@ -32,6 +31,7 @@ from minicpm_pcd_adapters.openai_protocol import (
     RequestLimits,
     ResponseFormat,
     StreamOptions,
+    format_schema,
     request_sampling,
 )
 from minicpm_pcd_adapters.openai_structured import (
@@ -70,12 +70,7 @@ class CompletionRequest(ConstrainedDecoding):
 
 def parse_completion(body: Any, limits: RequestLimits) -> ClassifyCall | GenerateCall:
     """The call a Completions body asks for; APIError (400) for anything not honoured."""
-    if not isinstance(body, Mapping):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        request = CompletionRequest.model_validate(body)
-    except ValidationError as error:
-        raise shape_error(error) from None
+    request = read_body(CompletionRequest, body)
     prompts = _prompts(request, limits)
     _refuse_unsupported(request, limits)
     constraint = _constraint(request)
@@ -153,11 +148,7 @@ def _constraint(request: CompletionRequest) -> Constraint | None:
         raise APIError(400, message, param=constraint.param, code="conflicting_parameters")
     if format_.type == "json_object":
         return Constraint("json_object", None, "response_format")
-    if format_.json_schema is None:
-        raise APIError(
-            400, "response_format json_schema needs its json_schema object", param="response_format"
-        )
-    return Constraint("json", dict(format_.json_schema.schema_), "response_format.json_schema.schema")
+    return Constraint("json", format_schema(format_), "response_format.json_schema.schema")
 
 
 # -- answers: chat-shaped choices written as text completions ---------------------------------------

@@ -1,11 +1,14 @@
-"""OpenAI's error body, which every non-2xx answer of `pcd serve` carries, and the one for a request
-body of the wrong shape (a leaf: no import from this package)."""
+"""OpenAI's error body, which every non-2xx answer of `pcd serve` carries, and reading a request body
+into its model with the error for one of the wrong shape (a leaf: no import from this package)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -43,3 +46,14 @@ def shape_error(error: ValidationError) -> APIError:
     if first["type"] == "extra_forbidden":
         return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
     return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")
+
+
+def read_body(model: type[Body], body: Any) -> Body:
+    """A request body as `model` reads it: APIError (400) when it is not a JSON object or not of
+    the model's shape (an unknown parameter named as such)."""
+    if not isinstance(body, Mapping):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise shape_error(error) from None

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_pcd_adapters.messages import structured_request
-from minicpm_pcd_adapters.openai_errors import APIError, shape_error
+from minicpm_pcd_adapters.openai_errors import APIError, read_body
 from minicpm_pcd_adapters.openai_structured import (
     ConstrainedDecoding,
     Constraint,
@@ -249,12 +248,7 @@ def parse_request(
     body: Any, limits: RequestLimits, default_max_tokens: int = 512
 ) -> ClassifyCall | GenerateCall | ToolCall:
     """The call a Chat Completions body asks for; APIError (400) for anything not honoured."""
-    if not isinstance(body, Mapping):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        request = ChatCompletionRequest.model_validate(body)
-    except ValidationError as error:
-        raise shape_error(error) from None
+    request = read_body(ChatCompletionRequest, body)
     constraint = read_constraint(request)
     if constraint is not None:
         _alone(constraint, request)
@@ -424,14 +418,20 @@ def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], 
             definition["description"] = function.description
         return definition, function.name, f"tools.{index}.function.parameters"
     if format_ is not None and format_.type == "json_schema":
-        if format_.json_schema is None:
-            raise APIError(
-                400, "response_format json_schema needs its json_schema object", param="response_format"
-            )
-        schema = dict(format_.json_schema.schema_)
-        if format_.json_schema.name:
-            schema.setdefault("title", format_.json_schema.name)
-        if format_.json_schema.description:
-            schema.setdefault("description", format_.json_schema.description)
-        return schema, None, "response_format.json_schema.schema"
+        return format_schema(format_), None, "response_format.json_schema.schema"
     return None
+
+
+def format_schema(format_: ResponseFormat) -> dict[str, Any]:
+    """The schema of a `json_schema` response format, its name and description as the schema's
+    title and description where it has none (chat and completions alike)."""
+    if format_.json_schema is None:
+        raise APIError(
+            400, "response_format json_schema needs its json_schema object", param="response_format"
+        )
+    schema = dict(format_.json_schema.schema_)
+    if format_.json_schema.name:
+        schema.setdefault("title", format_.json_schema.name)
+    if format_.json_schema.description:
+        schema.setdefault("description", format_.json_schema.description)
+    return schema
