@@ -47,6 +47,20 @@ ROUTE = {  # a JSON-schema dict, as it crosses process and HTTP boundaries (Ray,
     },
     "required": ["topic", "urgent"],
 }
+REVIEW_PROMPTS = [  # raw prompts (no chat template) for a bare or JSON answer right after them
+    f"Review: {text}\nSentiment:"
+    for text in (
+        "I love it",
+        "Terrible, it broke in a day",
+        "meh",
+        "Great value for the money",
+        "awful <|im_end|> support",
+        "fine I guess",
+        "best purchase ever",
+        "never again",
+    )
+]
+
 TEXT = "I was charged twice <|im_end|> and the app crashes, refund me!"
 TEXTS = [
     "refund me",

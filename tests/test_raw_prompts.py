@@ -22,21 +22,7 @@ from pcd_engine import (
 from pcd_engine.precision import separate_logprobs
 from pcd_engine.runner import PassStats
 from pcd_engine.scoring import token_logprobs
-from tests.helpers import ForwardCounter, Shipping
-
-PROMPTS = [
-    f"Review: {text}\nSentiment:"
-    for text in (
-        "I love it",
-        "Terrible, it broke in a day",
-        "meh",
-        "Great value for the money",
-        "awful <|im_end|> support",
-        "fine I guess",
-        "best purchase ever",
-        "never again",
-    )
-]
+from tests.helpers import REVIEW_PROMPTS, ForwardCounter, Shipping
 
 
 class Sentiment(BaseModel):
@@ -65,7 +51,7 @@ def _packed_and_separate(engine, schema, layout, text):
 
 @pytest.mark.parametrize(("schema", "layout"), [(Sentiment, "raw"), (Choice, "raw-value")])
 def test_raw_prompt_scores_equal_separate_forward_passes(engine, schema, layout):
-    for text in PROMPTS[:2]:
+    for text in REVIEW_PROMPTS[:2]:
         for got, want in _packed_and_separate(engine, schema, layout, text):
             assert got.shape == want.shape
             assert (got - want).abs().max().item() < 1e-4
@@ -86,7 +72,7 @@ def test_a_bare_value_follows_the_prompt_with_no_branch_text(engine):
     assert engine.rule.name == "option-cc" and {
         d.rule.name for d in (*plan.decisions, *json_plan.decisions)
     } == {"option"}
-    assert engine.classify(RawPrompt(PROMPTS[0], "value"), Choice).fields["choice"].rule == "option"
+    assert engine.classify(RawPrompt(REVIEW_PROMPTS[0], "value"), Choice).fields["choice"].rule == "option"
 
 
 def test_values_end_with_the_end_of_text_token_only_where_one_begins_another(engine):
@@ -104,11 +90,11 @@ def test_values_end_with_the_end_of_text_token_only_where_one_begins_another(eng
 def test_eight_raw_prompts_in_one_batch_equal_eight_single_calls(engine, schema, answer):
     counter = ForwardCounter(engine.model.model)
     try:
-        batch = engine.classify_batch([RawPrompt(p, answer) for p in PROMPTS], schema)
+        batch = engine.classify_batch([RawPrompt(p, answer) for p in REVIEW_PROMPTS], schema)
     finally:
         counter.close()
     assert max(counter.rows) > 1  # rows of several prompts per call, not one call per prompt
-    singles = [engine.classify(RawPrompt(p, answer), schema) for p in PROMPTS]
+    singles = [engine.classify(RawPrompt(p, answer), schema) for p in REVIEW_PROMPTS]
     for got, want in zip(batch, singles, strict=True):
         assert got.value == want.value
         for path, field in want.fields.items():

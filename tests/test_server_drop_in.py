@@ -19,21 +19,7 @@ from minicpm_pcd_adapters.openai_structured import choice_schema
 from minicpm_pcd_adapters.server import create_app
 from minicpm_pcd_adapters.server_settings import ServerSettings
 from pcd_engine import RawPrompt
-from tests.helpers import served, smollm2_engine
-
-PROMPTS = [
-    f"Review: {text}\nSentiment:"
-    for text in (
-        "I love it",
-        "Terrible, it broke in a day",
-        "meh",
-        "Great value",
-        "awful support",
-        "fine I guess",
-        "best purchase ever",
-        "never again",
-    )
-]
+from tests.helpers import REVIEW_PROMPTS, served, smollm2_engine
 
 
 @pytest.fixture(scope="module")
@@ -262,15 +248,15 @@ def test_a_choice_carries_the_probabilities_of_in_process_classify(client, engin
 def test_eight_prompts_in_one_completions_request_equal_eight_single_calls(client, engine):
     choices = [" positive", " negative"]
     listed = client.completions.create(
-        model="smollm2", prompt=PROMPTS, extra_body={"guided_choice": choices}, logprobs=2
+        model="smollm2", prompt=REVIEW_PROMPTS, extra_body={"guided_choice": choices}, logprobs=2
     )
     singles = [
         client.completions.create(
             model="smollm2", prompt=p, extra_body={"guided_choice": choices}, logprobs=2
         )
-        for p in PROMPTS
+        for p in REVIEW_PROMPTS
     ]
-    want = engine.classify_batch([RawPrompt(p, "value") for p in PROMPTS], choice_schema(choices))
+    want = engine.classify_batch([RawPrompt(p, "value") for p in REVIEW_PROMPTS], choice_schema(choices))
     assert [c.index for c in listed.choices] == list(range(8))
     for got, single, reference in zip(listed.choices, singles, want, strict=True):
         (one,) = single.choices
@@ -284,10 +270,10 @@ def test_eight_prompts_in_one_completions_request_equal_eight_single_calls(clien
         )
     assert {c.text for c in listed.choices} == set(choices)
 
-    generated = client.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=6)
-    for got, prompt in zip(generated.choices, PROMPTS, strict=True):
+    generated = client.completions.create(model="smollm2", prompt=REVIEW_PROMPTS, max_tokens=6)
+    for got, prompt in zip(generated.choices, REVIEW_PROMPTS, strict=True):
         assert got.text == engine.generate(RawPrompt(prompt), max_tokens=6).text
-    assert generated.usage.prompt_tokens == sum(len(engine.prompt.raw((), p)) for p in PROMPTS)
+    assert generated.usage.prompt_tokens == sum(len(engine.prompt.raw((), p)) for p in REVIEW_PROMPTS)
 
 
 def test_completions_json_schema_grammar_stream_and_n(client, engine):
