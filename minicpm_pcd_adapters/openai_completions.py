@@ -32,6 +32,7 @@ from minicpm_pcd_adapters.openai_protocol import (
     ResponseFormat,
     StreamOptions,
     format_schema,
+    refuse_beyond_limits,
     request_sampling,
 )
 from minicpm_pcd_adapters.openai_structured import (
@@ -117,9 +118,6 @@ def _refuse_unsupported(request: CompletionRequest, limits: RequestLimits) -> No
     refused = {
         "suffix": "suffix (insertion) is not supported by this server",
         "echo": "echo is not supported by this server: the prompt is yours already",
-        "logit_bias": "logit_bias is not supported by this server",
-        "presence_penalty": "presence_penalty is not supported by this server",
-        "frequency_penalty": "frequency_penalty is not supported by this server",
     }
     for name, message in refused.items():
         if getattr(request, name):  # None, False, 0, "" and {} mean "not used"
@@ -128,13 +126,7 @@ def _refuse_unsupported(request: CompletionRequest, limits: RequestLimits) -> No
     if request.best_of not in (None, n):
         message = f"best_of must equal n ({n}) on this server: it keeps every sample it draws"
         raise APIError(400, message, param="best_of", code="unsupported_parameter")
-    if n > limits.max_n:
-        raise APIError(400, f"n must be at most {limits.max_n}, got {n}", param="n", code="invalid_value")
-    if (request.max_tokens or 0) > limits.max_completion_tokens:
-        message = f"max_tokens must be at most {limits.max_completion_tokens} on this server"
-        raise APIError(400, message, param="max_tokens", code="invalid_value")
-    if isinstance(request.stop, list) and len(request.stop) > 4:
-        raise APIError(400, "stop takes at most 4 sequences", param="stop", code="invalid_value")
+    refuse_beyond_limits(request, limits, "max_tokens", request.max_tokens or 0)
 
 
 def _constraint(request: CompletionRequest) -> Constraint | None:

@@ -311,25 +311,26 @@ def _alone(constraint: Constraint, request: ChatCompletionRequest) -> None:
 def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    unsupported = {
-        "logit_bias": request.logit_bias,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-    }
-    for name, value in unsupported.items():
-        if value:  # None, False, 0 and {} mean "not used"
-            raise APIError(
-                400, f"{name} is not supported by this server", param=name, code="unsupported_parameter"
-            )
-    asked = request.max_completion_tokens or request.max_tokens or 0
+    param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+    refuse_beyond_limits(request, limits, param, request.max_completion_tokens or request.max_tokens or 0)
+
+
+def refuse_beyond_limits(request: Any, limits: RequestLimits, tokens_param: str, asked: int) -> None:
+    """What chat and completions refuse alike: `logit_bias` and penalties (not supported), and more
+    tokens (`asked`, from `tokens_param`), choices or stop strings than this server allows."""
+    for name in ("logit_bias", "presence_penalty", "frequency_penalty"):
+        if getattr(request, name):  # None, 0 and {} mean "not used"
+            message = f"{name} is not supported by this server"
+            raise APIError(400, message, param=name, code="unsupported_parameter")
     if asked > limits.max_completion_tokens:
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        message = f"{param} must be at most {limits.max_completion_tokens} on this server, got {asked}"
-        raise APIError(400, message, param=param, code="invalid_value")
+        message = f"{tokens_param} must be at most {limits.max_completion_tokens} on this server, got {asked}"
+        raise APIError(400, message, param=tokens_param, code="invalid_value")
     if (request.n or 1) > limits.max_n:
-        raise APIError(400, f"n must be at most {limits.max_n}, got {request.n}", param="n")
+        raise APIError(
+            400, f"n must be at most {limits.max_n}, got {request.n}", param="n", code="invalid_value"
+        )
     if isinstance(request.stop, list) and len(request.stop) > 4:
-        raise APIError(400, "stop takes at most 4 sequences", param="stop")
+        raise APIError(400, "stop takes at most 4 sequences", param="stop", code="invalid_value")
 
 
 def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> list[tuple[str, str]]:
