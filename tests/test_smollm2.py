@@ -176,6 +176,9 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
     assert topic["coverage_accuracy"][0]["coverage"] == 1.0
     for name in ("reliability_uncalibrated.png", "coverage_calibrated_on_8.png"):
         assert (report_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (report_dir / "report.html").read_text()  # parsed in detail by test_report.py
+    assert page.count('<section class="field"') == 4 and "Only 8 scored rows." in page
+    assert "from record 9" in page and page.count("data:image/png;base64,") == 8
     out = tmp_path / "o.jsonl"
     classified = pcd(
         "--schema", "examples/ticket.py:Ticket", "--input", labeled, "--output", out,

@@ -1,4 +1,5 @@
-"""`pcd evaluate`: accuracy and calibration on a labeled JSONL file, with report.json and plots."""
+"""`pcd evaluate`: accuracy and calibration on a labeled JSONL file, with report.json, report.html
+(`report.py`: the page a person reads) and PNG plots."""
 
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--report",
         default="out/evaluate",
-        help="folder for report.json and the PNG plots (default: out/evaluate); one that already holds "
-        "a report needs --overwrite",
+        help="folder for report.html, report.json and the PNG plots (default: out/evaluate); one that "
+        "already holds a report needs --overwrite",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace the report already in --report "
-                        "(its report.json, calibration and PNG plots are removed first)")  # fmt: skip
+                        "(its report files, calibration and PNG plots are removed first)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     return run(engine, schema, rows, args, calibration)
 
 
-REPORT_FILES = ("report.json", "calibration.json", "calibration.safetensors", "*.png")
+REPORT_FILES = ("report.json", "report.html", "calibration.json", "calibration.safetensors", "*.png")
 
 
 def check_report(report: Path, overwrite: bool) -> None:
@@ -98,6 +99,8 @@ def run(
         print("pcd: error: every line needs a label to evaluate", file=sys.stderr)
         return 2
     plots = import_plots()
+    from minicpm_pcd_adapters.report import write_report  # Jinja2 beside matplotlib: the [eval] extra
+
     if args.examples + args.fit >= len(rows):
         print(
             f"pcd: error: --examples + --fit must leave lines to score ({len(rows)} lines)", file=sys.stderr
@@ -150,7 +153,16 @@ def run(
         plots.reliability_diagram(e, report / f"reliability_{slug}.png", f"reliability ({name})")
         plots.coverage_plot(e, report / f"coverage_{slug}.png", f"coverage vs accuracy ({name})")
         print(summary_table(name, e))
-    print(f"pcd: report and plots -> {report}", file=sys.stderr)
+    about = {
+        "schema": args.schema,
+        "model": engine.model_identity.name,
+        "input": f"{args.input}: {len(rows)} records; {len(shots)} in-context examples, "
+        f"{len(fitting)} fitted on, {len(scoring)} scored (from record {len(shots) + len(fitting) + 1})",
+        "calibration": args.calibration or "none given",
+    }
+    texts = [t for t, _ in scoring]
+    write_report(report / "report.html", variants, texts, about, first=len(shots) + len(fitting) + 1)
+    print(f"pcd: report.html, report.json and plots -> {report}", file=sys.stderr)
     return 0
 
 
