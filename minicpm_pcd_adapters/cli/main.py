@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from minicpm_pcd_adapters.cli import calibrate, classify, evaluate, manifest, serve, suggest
+from minicpm_pcd_adapters.cli import calibrate, classify, evaluate, label, manifest, serve, suggest
 
 COMMANDS = {
     "classify": classify,
     "evaluate": evaluate,
     "calibrate": calibrate,
     "suggest": suggest,
+    "label": label,
     "serve": serve,
     "manifest": manifest,
 }
