@@ -16,12 +16,25 @@
   `head_ready` holds.
 
 With labels, the report's figures are out-of-fold: each text's calibrated probabilities come from a
-map fitted on the other folds. It says per field which method was chosen and why, and warns when
-the labels' value shares differ strongly from the model's own estimate for the same texts.
+map fitted on the other folds. It says per field which method was chosen and why (with every
+method's cross-validated accuracy, macro-F1, log-loss and ECE), and warns when the labels' value
+shares differ strongly from the model's own estimate for the same texts.
+
+Two steps keep the probabilities calibrated as labels grow (issue 33: ECE rose from 50 to 200 labels
+while accuracy rose):
+- a head's temperature is fitted on out-of-fold logits over `TEMPERATURE_FOLDS` folds, heads that saw
+  95% of the rows, not 80%: the final head, refitted on all of them, is more accurate than 4/5 heads,
+  and a temperature fitted on those left it underconfident (banking77, 200 labels: confidence 0.373
+  against accuracy 0.427; now 0.401);
+- every labeled field ends with a confidence temperature (`confidence_step`): fitted so that the
+  answer's probability predicts how often it is right, kept only where it lowers that loss
+  cross-fitted. It changes no answer; it fixes maps that move answers but not confidence ("batch",
+  banking77 at 50 labels: ECE 0.110 -> 0.088).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +63,7 @@ MAPS = METHODS[:4]  # the methods that read the rule's scores alone
 LOG_LOSS_TIE = 0.002  # cross-validated log-losses closer than this (nats) count as equal
 SKEW_WARNING = 0.25  # total variation between label shares and the model's estimate that warns
 HEAD_MIN_LABELS = 2  # see head_ready
+TEMPERATURE_FOLDS = 20  # a head's temperature is fitted on out-of-fold logits over this many folds
 
 
 def fit_batch(values: tuple[str, ...], log_scores: torch.Tensor) -> FieldCalibration:
@@ -246,13 +260,16 @@ def fit_field(
     held_out = {m: out_of_fold(m, d.values, z, y, fold) for m in tried if m != "head"}
     head_fit = None
     if "head" in tried:
-        head_fit = heads.fit_head(d.values, z, features, y, fold, d.tree)
-        held_out["head"] = head_fit.out_of_fold
+        fine = folds_of(len(keep), min(TEMPERATURE_FOLDS, len(keep)), seed)
+        head_fit = heads.fit_head(d.values, z, features, y, fold, d.tree, fine)
+        held_out["head"] = head_fit.compared  # methods are compared over the same folds
     truth = y.tolist()
     scores = {m: metrics.field_report(p.tolist(), truth) for m, p in held_out.items()}
     chosen, reason = choose(scores) if method == "auto" or fallback else (method, "asked for")
     if fallback:
         reason = f"no head: {_not_ready(d.values, truth)}; then {reason}"
+    chosen_out = head_fit.out_of_fold if chosen == "head" and head_fit is not None else held_out[chosen]
+    confidence, after = confidence_step(chosen_out, y, fold)
     raw_probs = torch.softmax(z, dim=1)
     raw = raw_probs.tolist()
     majority = [_fold_majority(truth, fold, k) for k in range(len(keep))]
@@ -261,9 +278,10 @@ def fit_field(
         "reason": reason,
         "n": len(keep),
         "cv_log_loss": {m: r["log_loss"] for m, r in scores.items()},
-        "cv": {m: {k: r[k] for k in ("accuracy", "macro_f1", "log_loss")} for m, r in scores.items()},
+        "cv": {m: {k: r[k] for k in ("accuracy", "macro_f1", "log_loss", "ece")} for m, r in scores.items()},
+        "confidence_temperature": confidence,
         "before": metrics.field_report(raw, truth),
-        "after": scores[chosen],
+        "after": metrics.field_report(after.tolist(), truth),
         "majority": sum(m == t for m, t in zip(majority, truth, strict=True)) / len(keep),
         "label_shares": _shares(d.values, truth),
         "model_shares": dict(zip(d.values, raw_probs.mean(dim=0).tolist(), strict=True)),
@@ -276,11 +294,48 @@ def fit_field(
     warning = skew_warning(report["label_shares"], report["model_shares"])
     if warning:
         report["warning"] = warning
-    held = HeldOut(truth, raw, held_out[chosen].tolist())
+    held = HeldOut(truth, raw, after.tolist())
     if chosen == "head":
         assert head_fit is not None
-        return head_fit.head, report, held
-    return fit_labeled(chosen, d.values, z, y), report, held
+        head = head_fit.head
+        return dataclasses.replace(head, temperature=head.temperature * confidence), report, held
+    return sharpened(fit_labeled(chosen, d.values, z, y), confidence), report, held
+
+
+def confidence_step(
+    probabilities: torch.Tensor, labels: torch.Tensor, fold: Sequence[int]
+) -> tuple[float, torch.Tensor]:
+    """(temperature, the rows' probabilities under it): the confidence temperature
+    (`heads.fit_confidence_temperature`) of a field's out-of-fold probabilities, and those
+    probabilities cross-fitted (each fold's from a temperature fitted on the other folds). 1.0 and
+    the probabilities unchanged unless the cross-fitted binary log-loss of the confidence falls.
+    A temperature changes no answer, so accuracy and macro-F1 stay as they are."""
+    logits = probabilities.clamp_min(1e-300).log()
+    tags = torch.tensor(fold)
+    crossed = torch.empty_like(probabilities)
+    for k in sorted(set(fold)):
+        train, test = tags != k, tags == k
+        crossed[test] = torch.softmax(
+            logits[test] / heads.fit_confidence_temperature(logits[train], labels[train]), dim=1
+        )
+    if _confidence_loss(crossed, labels) >= _confidence_loss(probabilities, labels):
+        return 1.0, probabilities
+    return heads.fit_confidence_temperature(logits, labels), crossed
+
+
+def _confidence_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    top, answer = probabilities.max(dim=1)
+    right = (answer == labels).double()
+    return float(torch.nn.functional.binary_cross_entropy(top.clamp(1e-12, 1 - 1e-12), right))
+
+
+def sharpened(fitted: FieldCalibration, temperature: float) -> FieldCalibration:
+    """`fitted` with its logits divided by `temperature` (the rule's own scores become a temperature map)."""
+    if temperature == 1.0:
+        return fitted
+    bias = tuple(b / temperature for b in fitted.bias)
+    method = "temperature" if fitted.method == "none" else fitted.method
+    return FieldCalibration(method, fitted.values, fitted.temperature * temperature, bias)
 
 
 def head_ready(labels: Sequence[int], values: int) -> bool:

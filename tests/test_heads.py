@@ -13,10 +13,19 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import Calibration, CalibrationError, FieldHead, PCDEngine
-from pcd_engine.calibration import weights_path
-from pcd_engine.fitting import METHODS, FieldData, choose, fit_field, folds_of, head_ready
-from pcd_engine.heads import fit_head, out_of_fold_logits
+from pcd_engine import Calibration, CalibrationError, FieldHead, PCDEngine, metrics
+from pcd_engine.calibration import FieldCalibration, weights_path
+from pcd_engine.fitting import (
+    METHODS,
+    FieldData,
+    choose,
+    confidence_step,
+    fit_field,
+    folds_of,
+    head_ready,
+    sharpened,
+)
+from pcd_engine.heads import fit_head, fit_temperature, out_of_fold_logits
 from pcd_engine.results import FieldResult
 from pcd_engine.suggestions import pick_uncertain, uncertainty
 
@@ -144,6 +153,60 @@ def test_out_of_fold_never_scores_a_row_on_a_head_fitted_with_it():
     memorised = fit_config(("a", "b"), z, x, labels, "fork", 0, 1e-4).logits(z, x)
     assert (memorised.argmax(dim=1) == labels).double().mean() == 1.0
     assert (oof.argmax(dim=1) == labels).double().mean() < 0.75
+
+
+def test_the_head_s_temperature_comes_from_finer_folds_and_methods_are_compared_over_the_coarse():
+    z, x, labels = separable()
+    labels = labels.clone()
+    labels[::7] = (labels[::7] + 1) % 3  # some noise, so that the temperature is finite
+    values, coarse, fine = ("a", "b", "c"), folds_of(60, 5), folds_of(60, 20)
+    fitted = fit_head(values, z, {"fork": x}, labels, coarse, 0, fine)
+    logits = out_of_fold_logits(values, z, x, labels, fine, "fork", 0, fitted.head.l2)
+    assert fitted.head.temperature == pytest.approx(fit_temperature(logits, labels))
+    assert torch.allclose(fitted.out_of_fold, torch.softmax(logits / fitted.head.temperature, dim=1))
+    logits = out_of_fold_logits(values, z, x, labels, coarse, "fork", 0, fitted.head.l2)
+    assert torch.allclose(fitted.compared, torch.softmax(logits / fit_temperature(logits, labels), dim=1))
+    assert not torch.allclose(fitted.out_of_fold, fitted.compared)
+
+
+def test_the_confidence_step_fixes_underconfident_answers_and_changes_none():
+    generator = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, 4, (200,), generator=generator)
+    right = torch.rand(200, generator=generator) < 0.8  # the answer is right 80% of the time ...
+    answers = torch.where(right, labels, (labels + 1) % 4)
+    probs = torch.full((200, 4), 0.2, dtype=torch.float64)
+    probs[torch.arange(200), answers] = 0.4  # ... at confidence 0.4: underconfident
+    temperature, crossed = confidence_step(probs, labels, folds_of(200, 5))
+    assert temperature < 0.6
+    assert torch.equal(crossed.argmax(dim=1), probs.argmax(dim=1))  # no answer changes
+    before, after = (metrics.ece(p.tolist(), labels.tolist()) for p in (probs, crossed))
+    assert before > 0.35 and after < 0.1
+    probs[torch.arange(200), answers] = 0.8  # now the confidence is right: nothing to fix
+    probs[torch.arange(200).unsqueeze(1), (answers.unsqueeze(1) + torch.arange(1, 4)) % 4] = 0.2 / 3
+    temperature, crossed = confidence_step(probs, labels, folds_of(200, 5))
+    assert 0.8 < temperature < 1.25
+
+
+def test_a_sharpened_map_divides_the_logits_by_its_temperature():
+    z = torch.randn(7, 3, dtype=torch.float64)
+    for fitted in (
+        FieldCalibration("bias", ("a", "b", "c"), 1.7, (0.3, -0.1, -0.2)),
+        FieldCalibration("none", ("a", "b", "c")),
+    ):
+        sharp = sharpened(fitted, 0.6)
+        assert torch.allclose(torch.softmax(sharp.logits(z), 1), torch.softmax(fitted.logits(z) / 0.6, 1))
+    assert sharpened(FieldCalibration("none", ("a", "b", "c")), 0.6).method == "temperature"
+
+
+def test_a_fitted_head_carries_the_confidence_temperature_and_the_report_the_cv_ece():
+    z, x, labels = separable()
+    data = FieldData(("a", "b", "c"), 0, z.tolist(), labels.tolist(), {"fork": list(x)})
+    head, report, held = fit_field(data, "head", 5, 0)
+    assert isinstance(head, FieldHead)
+    direct = fit_head(("a", "b", "c"), z, {"fork": x}, labels, folds_of(60, 5), 0, folds_of(60, 20))
+    assert head.temperature == pytest.approx(direct.head.temperature * report["confidence_temperature"])
+    assert set(report["cv"]["head"]) == {"accuracy", "macro_f1", "log_loss", "ece"}
+    assert report["after"]["ece"] == pytest.approx(metrics.ece(held.after, held.labels))
 
 
 def test_head_ready_needs_two_values_labeled_twice_holding_half_the_labels():
