@@ -131,12 +131,13 @@ body { font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; 
        color: #222; line-height: 1.4; }
 table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
 th, td { border: 1px solid #ccc; padding: 0.2rem 0.5rem; text-align: right; }
-th:first-child, td:first-child, td.text { text-align: left; }
+th:first-child, td:first-child, .text { text-align: left; }
 td.text { max-width: 40rem; }
 .warning { background: #fff4e5; border: 1px solid #f0a020; padding: 0.5rem 1rem; }
 .plots img { max-width: 48%; vertical-align: top; }
 .diagonal { background: #e8f4e8; }
 section.field { border-top: 2px solid #ddd; margin-top: 2rem; }
+.wide { overflow-x: auto; }
 </style>
 </head>
 <body>
@@ -178,13 +179,13 @@ frequent label in these rows: a floor to beat.</p>
 </div>
 <h3>Confusion ({{ last }}): rows are the true values, columns the answers</h3>
 {% if f.confusion.rows is defined %}
-<table class="confusion">
+<div class="wide"><table class="confusion">
 <tr><th>true \\ answered</th>{% for v in f.confusion["values"] %}<th>{{ v }}</th>{% endfor %}</tr>
 {% for row in f.confusion.rows %}{% set i = loop.index0 %}
 <tr><th>{{ f.confusion["values"][i] }}</th>{% for count in row %}<td{% if loop.index0 == i %}
  class="diagonal"{% endif %}>{{ count }}</td>{% endfor %}</tr>
 {% endfor %}
-</table>
+</table></div>
 {% else %}
 <p>{{ f.confusion.values_seen }} values occur; the most frequent confusions:</p>
 <table class="confusion-pairs">
@@ -197,7 +198,7 @@ frequent label in these rows: a floor to beat.</p>
 <h3>Most confident mistakes ({{ last }})</h3>
 {% if f.mistakes %}
 <table class="mistakes">
-<tr><th>record</th><th>confidence</th><th>answered</th><th>true</th><th>text</th></tr>
+<tr><th>record</th><th>confidence</th><th>answered</th><th>true</th><th class="text">text</th></tr>
 {% for m in f.mistakes %}
 <tr><td>{{ m.record }}</td><td>{{ "%.3f" % m.confidence }}</td><td>{{ m.answer }}</td>
 <td>{{ m.truth }}</td><td class="text">{{ m.text }}</td></tr>
@@ -208,7 +209,8 @@ frequent label in these rows: a floor to beat.</p>
 {% endfor %}
 {% if errors %}
 <h2>Rows without an answer</h2>
-<table id="errors"><tr><th>record</th><th>error</th><th>message</th><th>text</th></tr>
+<table id="errors">
+<tr><th>record</th><th>error</th><th class="text">message</th><th class="text">text</th></tr>
 {% for e in errors %}<tr><td>{{ e.record }}</td><td>{{ e.type }}</td><td class="text">{{ e.message }}</td>
 <td class="text">{{ e.text }}</td></tr>{% endfor %}
 </table>

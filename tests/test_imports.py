@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pcd_engine", "minicpm_pcd_adapters")
 OUTSIDE_THE_CORE = {
     "minicpm_pcd_adapters", "langchain", "langchain_core", "llama_index", "fastapi", "starlette",
-    "uvicorn", "prometheus_client", "openai", "ray", "pyarrow", "matplotlib",
+    "uvicorn", "prometheus_client", "openai", "ray", "pyarrow", "matplotlib", "jinja2",
 }  # fmt: skip
 
 

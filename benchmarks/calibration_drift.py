@@ -1,0 +1,121 @@
+"""Issue-33 benchmark: does `auto` stay calibrated as labels grow? (SmolLM2-135M-Instruct, CPU, FP32.)
+
+Per development set, every row is scored once (`benchmarks/labels.py`'s cache, shared). The 300 rows
+are cut in three blocks of 100; each block in turn is the test rows and `auto` is fitted on N labels
+drawn from the other 200 (`--draws` draws at 50, the whole 200 once), so every figure is over 300
+test rows never fitted on. Printed per count: field accuracy, mean confidence and ECE (means over the
+fields), and the ECE's sampling floor: the ECE of labels drawn from the answers' own probabilities,
+i.e. what a perfectly calibrated model would show on this many rows (20 draws). An ECE near its
+floor cannot be told apart from perfect calibration on this data.
+
+    python benchmarks/calibration_drift.py --json out/calibration_drift.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.data import load_set
+from benchmarks.labels import scored_rows
+from minicpm_pcd_adapters import load_smollm2
+from pcd_engine import PCDEngine, metrics
+from pcd_engine.fitting import decision_labels, fit
+from pcd_engine.results import json_key
+
+BLOCK = 100
+
+
+def floor_ece(probabilities: list[list[float]], rng: random.Random, times: int = 20) -> float:
+    """The mean ECE of labels drawn from the probabilities themselves (perfect calibration)."""
+    return statistics.fmean(
+        metrics.ece(probabilities, [rng.choices(range(len(p)), weights=p)[0] for p in probabilities])
+        for _ in range(times)
+    )
+
+
+def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    schema, rows = load_set(name)
+    plan = engine.plan(schema)
+    scored = scored_rows(engine, name, schema, rows, Path(args.cache))
+    truth = [decision_labels(plan.compiled, r["labels"], i) for i, r in enumerate(rows)]
+    paths = [dp.decision.path for dp in plan.scored_decisions]
+    values = {
+        dp.decision.path: [json_key(c.value) for c in dp.decision.candidates] for dp in plan.scored_decisions
+    }
+    out: dict[str, Any] = {}
+    for count in args.counts:
+        figures: dict[str, list[float]] = {
+            k: [] for k in ("accuracy", "confidence", "ece", "floor", "seconds")
+        }
+        chosen: dict[str, int] = {}
+        for draw in range(args.draws if count < len(rows) - BLOCK else 1):
+            pooled: dict[str, tuple[list[list[float]], list[int]]] = {p: ([], []) for p in paths}
+            for block in range(len(rows) // BLOCK):
+                test = range(block * BLOCK, (block + 1) * BLOCK)
+                pool = [i for i in range(len(rows)) if i not in test]
+                fit_idx = sorted(random.Random(draw * 7 + block).sample(pool, min(count, len(pool))))
+                started = time.perf_counter()
+                calibration = fit(
+                    plan,
+                    engine.model_identity,
+                    [scored[i][0] for i in fit_idx],
+                    [truth[i] for i in fit_idx],
+                    "auto",
+                    hidden=[scored[i][1] for i in fit_idx],
+                )
+                figures["seconds"].append(time.perf_counter() - started)
+                for p in paths:
+                    method = calibration.report["fields"][p]["method"]
+                    chosen[method] = chosen.get(method, 0) + 1
+                for i in test:
+                    answer = calibration.apply(scored[i][0], scored[i][1])
+                    for p in paths:
+                        pooled[p][0].append(list(answer[p].probabilities.values()))
+                        pooled[p][1].append(values[p].index(json_key(truth[i][p])))
+            rng = random.Random(draw)
+            figures["accuracy"].append(statistics.fmean(metrics.accuracy(*pooled[p]) for p in paths))
+            figures["confidence"].append(
+                statistics.fmean(statistics.fmean(metrics.confidences(pooled[p][0])) for p in paths)
+            )
+            figures["ece"].append(statistics.fmean(metrics.ece(*pooled[p]) for p in paths))
+            figures["floor"].append(statistics.fmean(floor_ece(pooled[p][0], rng) for p in paths))
+        mean = {k: statistics.fmean(v) for k, v in figures.items()}
+        out[str(count)] = {**mean, "ece_per_draw": figures["ece"], "chosen": chosen}
+        print(
+            f"{name} {count:>4} labels: accuracy {mean['accuracy']:.3f}  "
+            f"confidence {mean['confidence']:.3f}  "
+            f"ECE {mean['ece']:.3f} ({', '.join(f'{e:.3f}' for e in figures['ece'])})  floor "
+            f"{mean['floor']:.3f}  fit {statistics.median(figures['seconds']):.0f} s  chosen {chosen}",
+            flush=True,
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sets", nargs="+", default=["bitext_customer_support", "banking77"])
+    parser.add_argument("--counts", type=int, nargs="+", default=[50, 200])
+    parser.add_argument("--draws", type=int, default=3, help="label draws per count below the whole pool")
+    parser.add_argument("--cache", default="out/labels-cache", help="benchmarks/labels.py's scored rows")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    engine = load_smollm2()
+    results = {name: run_set(engine, name, args) for name in args.sets}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
