@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from minicpm_pcd_adapters.cli import main
 from minicpm_pcd_adapters.cli.options import read_labeled
 from minicpm_pcd_adapters.server import create_app
 from minicpm_pcd_adapters.server_settings import ServerSettings
@@ -62,9 +62,17 @@ def overloaded(base: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def pcd_label(*args: object) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", "label", *map(str, args)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+@pytest.fixture
+def pcd_label(capsys, monkeypatch):
+    """Run `pcd label` through the command's own entry point, in this process (no model loads:
+    nothing to gain from a fresh interpreter), from the project root; (exit code, stderr)."""
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: object) -> tuple[int, str]:
+        code = main(["label", *map(str, args)])
+        return code, capsys.readouterr().err
+
+    return run
 
 
 def test_labels_are_the_calibrated_teachers_answers_with_its_probabilities(engine, calibration, teacher_url):
@@ -85,7 +93,9 @@ def test_labels_are_the_calibrated_teachers_answers_with_its_probabilities(engin
                 assert answer.probabilities[path][value] == pytest.approx(p, abs=1e-4)
 
 
-def test_pcd_label_writes_what_calibrate_reads_and_an_error_record_per_failed_text(teacher_url, tmp_path):
+def test_pcd_label_writes_what_calibrate_reads_and_an_error_record_per_failed_text(
+    teacher_url, tmp_path, pcd_label
+):
     source = tmp_path / "to_label.jsonl"
     rows = [{"text": t, "id": f"t{i}"} for i, t in enumerate(TEXTS[:5])]
     rows.insert(2, {"text": "x" * 3000, "id": "long"})  # over the teacher's limit: a 400, not retried
@@ -93,8 +103,8 @@ def test_pcd_label_writes_what_calibrate_reads_and_an_error_record_per_failed_te
     output = tmp_path / "labeled.jsonl"
     common = ["--schema", "examples/ticket.py:Ticket", "--input", source, "--output", output]
     teacher = ["--teacher-url", teacher_url + "/v1", "--teacher-model", "teacher", "--retries", "20"]
-    done = pcd_label(*common, *teacher, "--concurrency", "4")
-    assert done.returncode == 1, done.stderr  # some lines got no label
+    code, stderr = pcd_label(*common, *teacher, "--concurrency", "4")
+    assert code == 1, stderr  # some lines got no label
     labeled = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(r["id"] for r in labeled) == [f"t{i}" for i in range(5)]
     assert {r["teacher"]["line"] for r in labeled} == {1, 2, 4, 5, 6}
@@ -104,40 +114,40 @@ def test_pcd_label_writes_what_calibrate_reads_and_an_error_record_per_failed_te
     assert [e["line"] for e in errors] == [3, 7]
     assert errors[0]["error"]["type"] == "BadRequestError" and "2000" in errors[0]["error"]["message"]
     assert errors[1]["error"]["type"] == "InputError"
-    assert "5 texts labeled by teacher" in done.stderr and "2 lines got no label" in done.stderr
+    assert "5 texts labeled by teacher" in stderr and "2 lines got no label" in stderr
 
 
-def test_pcd_label_resumes_where_a_run_stopped(teacher_url, tmp_path):
+def test_pcd_label_resumes_where_a_run_stopped(teacher_url, tmp_path, pcd_label):
     source = tmp_path / "to_label.txt"
     source.write_text("".join(t + "\n" for t in TEXTS[:6]))
     output = tmp_path / "labeled.jsonl"
     common = ["--schema", "examples/ticket.py:Ticket", "--input", source, "--output", output]
     teacher = ["--teacher-url", teacher_url + "/v1", "--teacher-model", "teacher", "--retries", "20"]
-    first = pcd_label(*common, *teacher, "--concurrency", "1")
-    assert first.returncode == 0, first.stderr
+    code, stderr = pcd_label(*common, *teacher, "--concurrency", "1")
+    assert code == 0, stderr
     whole = {
         json.loads(line)["teacher"]["line"]: json.loads(line) for line in output.read_text().splitlines()
     }
     kept = output.read_text().splitlines()[:2]
     output.write_text("\n".join(kept) + "\n" + kept[0][:20])  # two lines, and a cut-off third
-    again = pcd_label(*common, *teacher, "--resume")
-    assert again.returncode == 0, again.stderr
-    assert "4 texts labeled by teacher" in again.stderr and "(2 kept from before)" in again.stderr
+    code, stderr = pcd_label(*common, *teacher, "--resume")
+    assert code == 0, stderr
+    assert "4 texts labeled by teacher" in stderr and "(2 kept from before)" in stderr
     resumed = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(r["teacher"]["line"] for r in resumed) == [1, 2, 3, 4, 5, 6]
     assert {r["teacher"]["line"]: r["label"] for r in resumed} == {k: r["label"] for k, r in whole.items()}
 
 
-def test_bad_options_exit_2_before_any_request(tmp_path):
+def test_bad_options_exit_2_before_any_request(tmp_path, pcd_label):
     source = tmp_path / "in.txt"
     source.write_text("hello\n")
     base = ["--input", source, "--output", tmp_path / "o.jsonl", "--teacher-url", "http://127.0.0.1:9/v1"]
-    bad = pcd_label("--schema", "examples/ticket.py:Nope", *base, "--teacher-model", "m")
-    assert bad.returncode == 2 and "Nope" in bad.stderr
-    zero = pcd_label(
+    code, stderr = pcd_label("--schema", "examples/ticket.py:Nope", *base, "--teacher-model", "m")
+    assert code == 2 and "Nope" in stderr
+    code, stderr = pcd_label(
         "--schema", "examples/ticket.py:Ticket", *base, "--teacher-model", "m", "--concurrency", "0"
     )
-    assert zero.returncode == 2 and "concurrency" in zero.stderr
+    assert code == 2 and "concurrency" in stderr
     assert not (tmp_path / "o.jsonl").exists()
 
 
