@@ -4,7 +4,7 @@ into its model with the error for one of the wrong shape (a leaf: no import from
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
 
@@ -30,9 +30,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def shape_error(error: ValidationError) -> APIError:
+def shape_error(error: ValidationError, model: type[BaseModel] | None = None) -> APIError:
     """The 400 for a body of the wrong shape: the first error; an unknown parameter, or SGLang's
-    `structural_tag` response format, named as such."""
+    `structural_tag` response format, named as such. An unknown top-level parameter that one of
+    `model`'s objects takes (`abstain_below`, which goes in `"pcd": {...}`) is pointed there."""
     tagged = [
         e
         for e in error.errors()
@@ -44,7 +45,11 @@ def shape_error(error: ValidationError) -> APIError:
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     if first["type"] == "extra_forbidden":
-        return APIError(400, f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
+        message = f"unsupported parameter: {param}"
+        home = _nested_home(model, first["loc"])
+        if home is not None:
+            message += f'; it belongs in the "{home}" object: {{"{home}": {{"{param}": ...}}}}'
+        return APIError(400, message, param=param, code="unsupported_parameter")
     return APIError(400, f"invalid {param}: {first['msg']}", param=param, code="invalid_value")
 
 
@@ -56,4 +61,15 @@ def read_body(model: type[Body], body: Any) -> Body:
     try:
         return model.model_validate(body)
     except ValidationError as error:
-        raise shape_error(error) from None
+        raise shape_error(error, model) from None
+
+
+def _nested_home(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
+    """The field of `model` whose object model takes the top-level key `loc[0]`, if any."""
+    if model is None or len(loc) != 1:
+        return None
+    for name, info in model.model_fields.items():
+        for kind in (info.annotation, *get_args(info.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel) and loc[0] in kind.model_fields:
+                return name
+    return None

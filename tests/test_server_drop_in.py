@@ -398,3 +398,18 @@ def test_accepted_and_ignored_parameters_and_the_published_document(url):
         "grammar",
     } <= set(request)
     assert "/v1/completions" in document["paths"]
+
+
+def test_pcd_s_own_option_sent_at_the_top_level_is_pointed_to_its_object():
+    from minicpm_pcd_adapters.openai_errors import APIError, read_body
+    from minicpm_pcd_adapters.openai_protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "abstain_below": 0.7}
+    with pytest.raises(APIError) as caught:  # what `extra_body={"abstain_below": 0.7}` sends
+        read_body(ChatCompletionRequest, body)
+    assert caught.value.code == "unsupported_parameter" and caught.value.param == "abstain_below"
+    assert caught.value.message.endswith('belongs in the "pcd" object: {"pcd": {"abstain_below": ...}}')
+    del body["abstain_below"]
+    with pytest.raises(APIError) as caught:  # a parameter nothing takes gets no hint
+        read_body(ChatCompletionRequest, {**body, "frobnicate": 1})
+    assert caught.value.message == "unsupported parameter: frobnicate"

@@ -144,6 +144,8 @@ def test_bad_options_exit_2_before_any_request(tmp_path, pcd_label):
     base = ["--input", source, "--output", tmp_path / "o.jsonl", "--teacher-url", "http://127.0.0.1:9/v1"]
     code, stderr = pcd_label("--schema", "examples/ticket.py:Nope", *base, "--teacher-model", "m")
     assert code == 2 and "Nope" in stderr
+    code, stderr = pcd_label("--schema", "no_such_module:Ticket", *base, "--teacher-model", "m")
+    assert code == 2 and "no_such_module" in stderr and "[teacher]" not in stderr  # not a missing extra
     code, stderr = pcd_label(
         "--schema", "examples/ticket.py:Ticket", *base, "--teacher-model", "m", "--concurrency", "0"
     )

@@ -59,6 +59,10 @@ def errors_path(output: Path) -> Path:
 def main(args: argparse.Namespace) -> int:
     """Exit codes: 0 every text labeled, 1 some got error records, 2 bad options (before any request)."""
     try:
+        import openai  # noqa: F401  the [teacher] extra, checked before any request
+    except ImportError as error:
+        return fail(f"{error}; install the teacher client with: pip install 'minicpm-pcd[teacher]'")
+    try:
         check_paths(args)
         schema = load_schema(args.schema)
         key_variable = args.teacher_key_env
@@ -72,11 +76,7 @@ def main(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             logprobs=args.logprobs,
         )
-        import openai  # noqa: F401  the [teacher] extra, checked before any request
-
         done = labeled_lines(Path(args.output)) if args.resume else set()
-    except ImportError as error:
-        return fail(f"{error}; install the teacher client with: pip install 'minicpm-pcd[teacher]'")
     except SETUP_ERRORS as error:
         return fail(error)
     records = list(iter_inputs(Path(args.input), args.text_key))
