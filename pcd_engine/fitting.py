@@ -318,15 +318,9 @@ def confidence_step(
         crossed[test] = torch.softmax(
             logits[test] / heads.fit_confidence_temperature(logits[train], labels[train]), dim=1
         )
-    if _confidence_loss(crossed, labels) >= _confidence_loss(probabilities, labels):
+    if heads.confidence_loss(crossed, labels) >= heads.confidence_loss(probabilities, labels):
         return 1.0, probabilities
     return heads.fit_confidence_temperature(logits, labels), crossed
-
-
-def _confidence_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    top, answer = probabilities.max(dim=1)
-    right = (answer == labels).double()
-    return float(torch.nn.functional.binary_cross_entropy(top.clamp(1e-12, 1 - 1e-12), right))
 
 
 def sharpened(fitted: FieldCalibration, temperature: float) -> FieldCalibration:

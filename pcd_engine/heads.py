@@ -21,7 +21,7 @@ without that row.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,30 +220,31 @@ def out_of_fold_logits(
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    inverse_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([inverse_t], lr=0.5, max_iter=100, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        optimizer.zero_grad()
-        out = torch.nn.functional.cross_entropy(logits * inverse_t.exp(), labels)
-        out.backward()
-        return out
-
-    optimizer.step(loss)
-    return float(torch.exp(-inverse_t.detach()))
+    """The temperature that minimises the cross-entropy of softmax(logits / T) on `labels`."""
+    return _temperature(logits, lambda scaled: torch.nn.functional.cross_entropy(scaled, labels))
 
 
 def fit_confidence_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """The temperature whose softmax's top probability best predicts whether the top value is right
-    (binary log-loss of the answers' confidence): what ECE and abstention read. Answers unchanged."""
-    right = (logits.argmax(dim=1) == labels).double()
+    (`confidence_loss`): what ECE and abstention read. Answers unchanged."""
+    return _temperature(logits, lambda scaled: confidence_loss(torch.softmax(scaled, dim=1), labels))
+
+
+def confidence_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The binary log-loss of each row's top probability as the chance that its answer is right."""
+    top, answer = probabilities.max(dim=1)
+    right = (answer == labels).double()
+    return torch.nn.functional.binary_cross_entropy(top.clamp(1e-12, 1 - 1e-12), right)
+
+
+def _temperature(logits: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The temperature T minimising `loss_of(logits / T)` (L-BFGS on log(1 / T))."""
     inverse_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
     optimizer = torch.optim.LBFGS([inverse_t], lr=0.5, max_iter=100, line_search_fn="strong_wolfe")
 
     def loss() -> torch.Tensor:
         optimizer.zero_grad()
-        top = torch.softmax(logits * inverse_t.exp(), dim=1).max(dim=1).values
-        out = torch.nn.functional.binary_cross_entropy(top.clamp(1e-12, 1 - 1e-12), right)
+        out = loss_of(logits * inverse_t.exp())
         out.backward()
         return out
 
@@ -284,10 +285,11 @@ def fit_head(
                 best = (loss, block, l2, logits)
     assert best is not None, "fit_head needs at least one feature block"
     _, block, l2, logits = best
-    compared = torch.softmax(logits / fit_temperature(logits, labels), dim=1)
+    temperature = fit_temperature(logits, labels)
+    compared = torch.softmax(logits / temperature, dim=1)
     if temperature_fold is not None and list(temperature_fold) != list(fold):
         logits = out_of_fold_logits(values, z, features[block], labels, temperature_fold, block, tree, l2)
-    temperature = fit_temperature(logits, labels)
+        temperature = fit_temperature(logits, labels)
     head = fit_config(values, z, features[block], labels, block, tree, l2)
     head = dataclasses.replace(head, temperature=temperature)
     return HeadFit(head, torch.softmax(logits / temperature, dim=1), tried, compared)
