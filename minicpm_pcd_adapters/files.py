@@ -5,7 +5,8 @@ records are written and flushed as it completes, so memory stays flat in the inp
 interruption loses at most the chunk in flight. Every input line gets exactly one output record with
 its line number (and its `id`, for a JSONL object that has one): the answer, or an error record.
 With `resume`, lines already answered in the output are skipped; a torn last line (the process was
-killed while writing it) is cut off and its input answered again.
+killed while writing it) is cut off and its input answered again. Commands whose output must stay a
+clean file (`suggest`, `label`) put their error records beside it (`write_errors`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,24 @@ def answered_lines(output: Path) -> set[int]:
         with output.open("r+b") as handle:
             handle.truncate(keep)
     return done
+
+
+def errors_path(output: Path) -> Path:
+    """Where a command whose output stays a clean file (`suggest`, `label`) writes its error records."""
+    return output.with_name(output.stem + ".errors.jsonl")
+
+
+def write_errors(output: Path, errors: list[dict[str, Any]]) -> Path:
+    """Write `errors` (records with a `line`) in line order beside `output`, or remove an earlier
+    run's file when there are none; returns its path."""
+    side = errors_path(output)
+    if errors:
+        with side.open("w", encoding="utf-8") as handle:
+            for e in sorted(errors, key=lambda e: e["line"]):
+                handle.write(json.dumps(e, ensure_ascii=False) + "\n")
+    elif side.exists():
+        side.unlink()  # from an earlier run
+    return side
 
 
 def classify_file(

@@ -20,7 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, check_paths, fail
-from minicpm_pcd_adapters.files import iter_inputs
+from minicpm_pcd_adapters.files import iter_inputs, write_errors
 from minicpm_pcd_adapters.loaders import load_schema
 from minicpm_pcd_adapters.teacher import KEY_VARIABLE, Answer, Teacher, TeacherLabel, label_texts
 
@@ -50,10 +50,6 @@ def add_parser(sub: Any) -> None:
                         "token log-probabilities (for servers that refuse them)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="keep the output's labels; ask only "
                         "for the texts it lacks")  # fmt: skip
-
-
-def errors_path(output: Path) -> Path:
-    return output.with_name(output.stem + ".errors.jsonl")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -103,13 +99,7 @@ def main(args: argparse.Namespace) -> int:
             bar.update(1)
 
         label_texts(teacher, schema, [r["text"] for r in todo], on_answer=write)
-    side = errors_path(output)
-    if errors:
-        with side.open("w", encoding="utf-8") as handle:
-            for e in sorted(errors, key=lambda e: e["line"]):
-                handle.write(json.dumps(e, ensure_ascii=False) + "\n")
-    elif side.exists():
-        side.unlink()  # from an earlier run
+    side = write_errors(output, errors)
     print(
         f"pcd: {labeled} texts labeled by {args.teacher_model} -> {output}"
         + (f" ({len(done)} kept from before)" if done else "")

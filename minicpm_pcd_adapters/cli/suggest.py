@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, check_paths, fail, input_options, load_for
-from minicpm_pcd_adapters.files import iter_inputs
+from minicpm_pcd_adapters.files import iter_inputs, write_errors
 from pcd_engine import Calibration, PCDEngine
 
 
@@ -42,10 +42,6 @@ def main(args: argparse.Namespace) -> int:
     except SETUP_ERRORS as error:
         return fail(error)
     return run(engine, schema, args, calibration)
-
-
-def errors_path(output: Path) -> Path:
-    return output.with_name(output.stem + ".errors.jsonl")
 
 
 def run(
@@ -76,13 +72,7 @@ def run(
             record["pcd"] = {"line": readable[s.index]["line"], **record["pcd"]}
             del record["pcd"]["index"]
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    side = errors_path(output)
-    if errors:
-        with side.open("w", encoding="utf-8") as handle:
-            for e in sorted(errors, key=lambda e: e["line"]):
-                handle.write(json.dumps(e, ensure_ascii=False) + "\n")
-    elif side.exists():
-        side.unlink()  # from an earlier run
+    side = write_errors(output, errors)
     print(
         f"pcd: {len(found.picked)} texts to label -> {output}"
         + (f"; {len(errors)} lines could not be scored -> {side}" if errors else ""),
