@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from minicpm_pcd_adapters.plots import field_plots
-from pcd_engine import Evaluation, PCDError
+from pcd_engine import Evaluation
 
 FEW_ROWS = 100  # below this many scored rows, ECE and the reliability bins are noisy
 MISTAKES = 10  # most confident mistakes listed per field
@@ -88,28 +88,17 @@ def confident_mistakes(
 ) -> list[dict[str, Any]]:
     """The MISTAKES wrong answers of `field` given with the highest confidence, with their texts
     and record numbers (the first text is record `first`)."""
-    out = []
-    for index, (result, truth) in enumerate(zip(evaluation.results, evaluation.truth, strict=True)):
-        if isinstance(result, PCDError) or field not in truth:
-            continue
-        answer = result.fields[field]
-        if _key(answer.value) == _key(truth[field]):
-            continue
-        out.append(
-            {
-                "record": first + index,
-                "confidence": answer.confidence or 0.0,
-                "answer": _key(answer.value),
-                "truth": _key(truth[field]),
-                "text": _cut(texts[index]),
-            }
-        )
-    out.sort(key=lambda m: -float(m["confidence"]))
-    return out[:MISTAKES]
-
-
-def _key(value: Any) -> str:
-    return value if isinstance(value, str) else repr(value).lower() if isinstance(value, bool) else str(value)
+    f = evaluation.fields[field]
+    wrong = []  # (confidence, text index, answered value, true value)
+    for probabilities, label, index in zip(f.probabilities, f.labels, f.texts, strict=True):
+        answer = max(range(len(probabilities)), key=probabilities.__getitem__)
+        if answer != label:
+            wrong.append((probabilities[answer], index, f.values[answer], f.values[label]))
+    wrong.sort(key=lambda w: -w[0])
+    return [
+        {"record": first + i, "confidence": p, "answer": answer, "truth": truth, "text": _cut(texts[i])}
+        for p, i, answer, truth in wrong[:MISTAKES]
+    ]
 
 
 def _cut(text: str) -> str:

@@ -30,6 +30,7 @@ class FieldEvaluation:
     values: list[str]  # json_key of each allowed value
     labels: list[int] = field(default_factory=list)  # index of the true value
     probabilities: list[list[float]] = field(default_factory=list)  # the answer's probabilities
+    texts: list[int] = field(default_factory=list)  # the index of the text each row comes from
 
     def report(self) -> dict[str, Any]:
         if not self.labels:
@@ -71,6 +72,7 @@ class Evaluation:
                 scored = result.fields[path]
                 f.labels.append(f.values.index(json_key(known[path])))
                 f.probabilities.append(list(scored.probabilities.values()))
+                f.texts.append(index)
                 right = right and json_key(scored.value) == json_key(known[path])
             exact.append(right)
         return cls(fields, len(results), errors, exact, results, truth)
