@@ -24,11 +24,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.data import load_set
-from benchmarks.labels import scored_rows
+from benchmarks.labels import scored_set
 from minicpm_pcd_adapters import load_smollm2
 from pcd_engine import PCDEngine, metrics
-from pcd_engine.fitting import decision_labels, fit
+from pcd_engine.fitting import fit
 from pcd_engine.results import json_key
 
 BLOCK = 100
@@ -43,10 +42,7 @@ def floor_ece(probabilities: list[list[float]], rng: random.Random, times: int =
 
 
 def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    schema, rows = load_set(name)
-    plan = engine.plan(schema)
-    scored = scored_rows(engine, name, schema, rows, Path(args.cache))
-    truth = [decision_labels(plan.compiled, r["labels"], i) for i, r in enumerate(rows)]
+    _, rows, plan, scored, truth = scored_set(engine, name, Path(args.cache))
     paths = [dp.decision.path for dp in plan.scored_decisions]
     values = {
         dp.decision.path: [json_key(c.value) for c in dp.decision.candidates] for dp in plan.scored_decisions

@@ -60,6 +60,18 @@ def scored_rows(engine: PCDEngine, name: str, schema: Any, rows: list[dict[str, 
     return out
 
 
+def scored_set(
+    engine: PCDEngine, name: str, cache: Path
+) -> tuple[Any, list[dict[str, Any]], Any, list, list]:
+    """(schema, rows, plan, per row (fields, hidden states), per row its true values by path) of a
+    development set, the rows scored once (`scored_rows`'s cache)."""
+    schema, rows = load_set(name)
+    plan = engine.plan(schema)
+    scored = scored_rows(engine, name, schema, rows, cache)
+    truth = [decision_labels(plan.compiled, r["labels"], i) for i, r in enumerate(rows)]
+    return schema, rows, plan, scored, truth
+
+
 def figures(plan: Any, answers: list[dict[str, Any]], truth: list[dict[str, Any]]) -> dict[str, Any]:
     """Per field and mean: accuracy, macro-F1, ECE of per-row field results (probabilities)."""
     per_field = {}
@@ -133,10 +145,7 @@ class MiniLM:
 
 
 def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    schema, rows = load_set(name)
-    plan = engine.plan(schema)
-    scored = scored_rows(engine, name, schema, rows, Path(args.cache))
-    truth = [decision_labels(plan.compiled, r["labels"], i) for i, r in enumerate(rows)]
+    schema, rows, plan, scored, truth = scored_set(engine, name, Path(args.cache))
     test_idx = list(range(len(rows) - args.test, len(rows)))
     pool = list(range(len(rows) - args.test))
     minilm = MiniLM([r["text"] for r in rows]) if args.minilm else None

@@ -27,8 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.data import load_set
-from benchmarks.labels import figures, scored_rows
+from benchmarks.labels import figures, scored_set
 from minicpm_pcd_adapters import load_smollm2
 from minicpm_pcd_adapters.server import create_app
 from minicpm_pcd_adapters.server_settings import ServerSettings
@@ -53,14 +52,10 @@ def student(engine: PCDEngine, plan: Any, scored: list, labels: Any, fit_idx: li
 
 
 def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    schema, rows = load_set(name)
-    plan = engine.plan(schema)
-    scored = scored_rows(engine, name, schema, rows, Path(args.cache))
-    truth = [decision_labels(plan.compiled, r["labels"], i) for i, r in enumerate(rows)]
+    schema, rows, plan, scored, truth = scored_set(engine, name, Path(args.cache))
     test_idx = list(range(len(rows) - args.test, len(rows)))
     pool = list(range(args.teacher_labels))
-    _, teacher_cal = student(engine, plan, scored, truth, pool, test_idx)
-    teacher_answers = [teacher_cal.apply(scored[i][0], scored[i][1]) for i in test_idx]
+    teacher_answers, teacher_cal = student(engine, plan, scored, truth, pool, test_idx)
     out: dict[str, Any] = {"teacher": figures(plan, teacher_answers, [truth[i] for i in test_idx])["mean"]}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"{name}.json"
