@@ -144,11 +144,7 @@ def breakdown(engine: PCDEngine, name: str, limit: int, rules: list[str]) -> dic
                 hidden = decoder(**inputs).last_hidden_state
                 parts["text+branches"].append(time.perf_counter() - started)
                 started = time.perf_counter()
-                keep = [
-                    offset + i
-                    for tree, offset in zip(plan.trees, packed.offsets, strict=True)
-                    for i in tree.scored
-                ]
+                keep = [packed.at(t, i) for t, tree in enumerate(plan.trees) for i in tree.scored]
                 engine.runner.projection.project(hidden[:, keep], plan.trees, plan.normalized)
                 parts["lm_head"].append(time.perf_counter() - started)
         median = {k: 1000 * statistics.median(v) for k, v in parts.items()}

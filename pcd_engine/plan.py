@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from pcd_engine import packing
 from pcd_engine.branches import TokenizationError, TokenTree, build_tree
 from pcd_engine.errors import InputError, SchemaLimitError, UnsupportedSchemaError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
@@ -82,7 +83,8 @@ class SchemaPlan:
 
     @cached_property
     def branch_tokens(self) -> int:
-        return sum(len(t.tokens) for t in self.trees)
+        """Tree tokens a pass feeds (chain tokens the trees share, once)."""
+        return packing.fed_tokens(self.trees)
 
 
 class PlanCache:

@@ -71,7 +71,7 @@ class BranchRunner:
 
     def fits(self, own_tokens: int, trees: Sequence[TokenTree]) -> bool:
         """Whether a row of `own_tokens` prompt tokens and the trees fits one forward call."""
-        return own_tokens + sum(len(t.tokens) for t in trees) <= self.max_tokens_per_forward
+        return own_tokens + packing.fed_tokens(trees) <= self.max_tokens_per_forward
 
     @torch.inference_mode()
     def run(
@@ -103,7 +103,7 @@ class BranchRunner:
                 rows = [(capture, text, group)]
             (scores,), kv = self._forward(packed, chosen, [normalized[i] for i in group], kv, keep_kv, rows)
             stats.forward_calls += 1
-            stats.fed_tokens += len(feed) + sum(len(t.tokens) for t in chosen)
+            stats.fed_tokens += packed.ids.shape[1]
             out.extend(scores)
             if kv is not None and len(groups) > 1:  # drop this group's tree tokens, keep the prompt
                 kv.crop(-(kv.get_seq_length() - len(prompt_ids)))
@@ -123,7 +123,8 @@ class BranchRunner:
         """`run` for prompts that share their first `past` tokens (whose KV is `kv`) and each `fits`,
         several per forward call: rows sorted by width, grouped within the token budget; with
         `capture` (one per prompt), their hidden states too."""
-        width = [len(p) - past + sum(len(t.tokens) for t in trees) for p in prompts]
+        tree_tokens = packing.fed_tokens(trees)
+        width = [len(p) - past + tree_tokens for p in prompts]
         groups: list[list[int]] = [[]]
         for i in sorted(range(len(prompts)), key=width.__getitem__):  # the newcomer is the widest
             if groups[-1] and (len(groups[-1]) + 1) * width[i] > self.max_tokens_per_forward:
@@ -152,7 +153,7 @@ class BranchRunner:
             if len(group) > 1:
                 kv.batch_repeat_interleave(len(group))
         packed = packing.pack_rows([prompts[i][past:] for i in group], past, trees)
-        tree_tokens = sum(len(t.tokens) for t in trees)
+        tree_tokens = packing.fed_tokens(trees)
         rows: list[RowCapture] | None = None
         if capture is not None:  # rows are left-padded to the call's width
             width = packed.ids.shape[1]
@@ -207,8 +208,8 @@ class BranchRunner:
     ) -> tuple[list[list[torch.Tensor]], Any]:
         """Per row, per tree, the scored columns; and the grown KV when `keep_kv`. With `capture`
         (one per row), each row's hidden states are read into its HiddenCapture."""
-        ids, positions, allowed, offsets = packed
-        keep = [_at(offsets, o, i) for tree, o in zip(trees, offsets, strict=True) for i in tree.scored]
+        ids, positions, allowed = packed.ids, packed.positions, packed.allowed
+        keep = [packed.at(t, i) for t, tree in enumerate(trees) for i in tree.scored]
         inputs: dict[str, Any] = {
             "input_ids": ids.to(self.device),
             "attention_mask": packing.additive_mask(allowed.to(self.device), self.dtype),
@@ -224,14 +225,8 @@ class BranchRunner:
             with hidden.hooked(self.model) as seen:
                 per_tree, output = self.projection.forward(inputs, keep_t, trees, normalized)
                 for row, (into, text, indices) in enumerate(capture):
-                    pairs = zip(indices, offsets, trees, strict=True)
-                    forks = [(k, _at(offsets, o, t.root)) for k, o, t in pairs]
+                    pairs = enumerate(zip(indices, trees, strict=True))
+                    forks = [(k, packed.at(t, tree.root)) for t, (k, tree) in pairs]
                     hidden.read(seen, row, into, text, forks)
         grown = output["cache" if "cache" in output else "past_key_values"] if keep_kv else None
         return [[scores[row] for scores in per_tree] for row in range(ids.shape[0])], grown
-
-
-def _at(offsets: Sequence[int], offset: int, index: int) -> int:
-    """Where a tree's fed `index` sits in the call: after its offset; -1 (an empty chain's root) is
-    the prompt's last token, just before the first tree in every row."""
-    return offset + index if index >= 0 else offsets[0] - 1

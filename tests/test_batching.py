@@ -37,9 +37,9 @@ def test_batched_scores_equal_one_by_one_calls(tiny_tokenizer, tiny_model, cache
 
 
 def test_a_request_too_long_for_the_budget_runs_alone_in_microbatches(tiny_tokenizer, tiny_model):
-    engine = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=100)
+    engine = PCDEngine(tiny_model, tiny_tokenizer, max_tokens_per_forward=80)
     plan = engine.plan(Wide)
-    assert plan.branch_tokens > 100  # every request must split its trees
+    assert plan.branch_tokens > 80  # every request must split its trees
     texts = TEXTS[:3]
     batched = engine.classify_batch(texts, Wide)
     assert all(r.diagnostics.forward_calls > 1 for r in batched)
@@ -86,13 +86,13 @@ def test_rows_are_left_padded_so_trees_share_offsets():
 
     chars = lambda s: [ord(c) for c in s]  # noqa: E731
     trees = [build_tree(chars, "{", ["a", "b"])]
-    ids, positions, mask, offsets = pack_rows([[7, 8, 9], [5]], 2, trees)
+    ids, positions, mask, columns, last = pack_rows([[7, 8, 9], [5]], 2, trees)
     allowed = mask[:, 0]
     assert ids.tolist() == [[7, 8, 9, ord("{")], [0, 0, 5, ord("{")]]
     assert positions.tolist() == [[2, 3, 4, 5], [2, 2, 2, 3]]
-    assert offsets == [3]
+    assert columns == [(3,)] and last == 2
     for row, prompt in enumerate([[7, 8, 9], [5]]):  # the real tokens see what pack_inputs says
-        _, _, own, _ = pack_inputs(prompt, 2, trees)
+        _, _, own, _, _ = pack_inputs(prompt, 2, trees)
         pad = 3 - len(prompt)
         assert torch.equal(allowed[row, pad:, :2], own[0, 0, :, :2])
         assert torch.equal(allowed[row, pad:, 2 + pad :], own[0, 0, :, 2:])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pcd_engine import PCDEngine
-from pcd_engine.packing import microbatches, pack_inputs
+from pcd_engine.packing import fed_tokens, microbatches, pack_inputs
 from pcd_engine.runner import PassStats
 from tests.helpers import TEXT, Wide, packed_and_separate, tiny_llama
 
@@ -65,15 +65,44 @@ def test_mask_and_positions_of_a_packed_call(tiny_tokenizer):
 
     chars = lambda s: [ord(c) for c in s]  # noqa: E731
     trees = [build_tree(chars, "{", ["a", "b"]), build_tree(chars, "[", ["xy", "xz"])]
-    ids, positions, mask, offsets = pack_inputs([7, 8, 9], 2, trees)
+    ids, positions, mask, columns, last = pack_inputs([7, 8, 9], 2, trees)
     allowed = mask[0, 0]
     assert ids.tolist() == [[7, 8, 9, ord("{"), ord("["), ord("x")]]
     assert positions.tolist() == [[2, 3, 4, 5, 5, 6]]
-    assert offsets == [3, 4]
+    assert columns == [(3,), (4, 5)] and last == 2
     assert allowed[0].tolist() == [True, True, True, False, False, False, False, False]
     assert allowed[3].tolist() == [True] * 5 + [True, False, False]  # "{": prompt + itself
     assert allowed[4].tolist() == [True] * 5 + [False, True, False]  # "[": not the other tree
     assert allowed[5].tolist() == [True] * 5 + [False, True, True]  # "x": its parent "["
+
+
+def test_chain_tokens_that_trees_repeat_are_fed_once():
+    from pcd_engine.branches import build_tree
+
+    chars = lambda s: [ord(c) for c in s]  # noqa: E731
+    trees = [
+        build_tree(chars, "{a", ["x", "y"]),  # chain "{a"; "x" and "y" are only targets
+        build_tree(chars, "{b", ["x", "y"]),  # chain "{b": shares "{"
+        build_tree(chars, "{a", ["z", "w"]),  # chain "{a": shares "{a"
+        build_tree(chars, "", ["p", "q"]),  # empty chain: its root is the prompt's last token
+    ]
+    packed = pack_inputs([7, 8], 1, trees)
+    allowed = packed.allowed[0, 0]
+    assert packed.ids.tolist() == [[7, 8, ord("{"), ord("a"), ord("b")]]
+    assert packed.positions.tolist() == [[1, 2, 3, 4, 4]]
+    assert packed.columns == [(2, 3), (2, 4), (2, 3), ()]
+    assert packed.at(3, -1) == 1 and packed.at(1, 1) == 4
+    assert allowed[4].tolist() == [True] * 3 + [True, False, True]  # "b": the shared "{", not "a"
+    assert allowed[3].tolist() == [True] * 3 + [True, True, False]
+    assert fed_tokens(trees) == 3 < sum(len(t.tokens) for t in trees)
+
+
+def test_shared_chains_score_as_separate_passes_on_nested_fields(tiny_tokenizer, tiny_model):
+    engine = PCDEngine(tiny_model, tiny_tokenizer)
+    plan = engine.plan(Wide)  # every field's chain starts with '{"'; shipping.* share '{"shipping": {"'
+    assert plan.branch_tokens < sum(len(t.tokens) for t in plan.trees) - len(plan.trees)
+    for got, want in packed_and_separate(engine, Wide, "refund me"):
+        assert torch.allclose(got, want, atol=1e-4)
 
 
 def test_microbatch_grouping_respects_the_budget():
@@ -113,13 +142,15 @@ def test_a_prompt_with_no_past_is_causal_and_trees_restart_after_it():
 
     chars = lambda s: [ord(c) for c in s]  # noqa: E731
     tree = build_tree(chars, "{", ["ab", "ac"])  # fed: the chain "{a"; "b", "c" are only targets
-    packed = pack_inputs([5, 6, 7], 0, [tree, tree])
+    other = build_tree(chars, "[", ["ab", "ac"])  # "[a": no chain token in common with the first
+    packed = pack_inputs([5, 6, 7], 0, [tree, other])
     allowed = packed.allowed[0, 0]
     assert allowed[:3, :3].tolist() == torch.ones(3, 3, dtype=torch.bool).tril().tolist()
     assert not allowed[:3, 3:].any()  # the prompt sees no branch
     assert packed.positions.tolist() == [[0, 1, 2, 3, 4, 3, 4]]  # both trees start at position 3
-    assert packed.offsets == [3, 5]
+    assert packed.columns == [(3, 4), (5, 6)]
     assert allowed[5:, 3:5].sum() == 0  # the second tree sees nothing of the first
+    assert pack_inputs([5, 6, 7], 0, [tree, tree]).columns == [(3, 4), (3, 4)]  # one chain, fed once
 
 
 def test_the_head_projects_all_trees_rows_together_in_chunks_that_cross_trees(

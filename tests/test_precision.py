@@ -30,8 +30,8 @@ def test_the_self_check_fails_when_the_packed_path_is_broken(tiny_tokenizer, bf1
     real = packing_module.pack_rows
 
     def leaky(prompts, past_len, trees):  # every token may see every other: a broken mask
-        ids, positions, mask, offsets = real(prompts, past_len, trees)
-        return ids, positions, torch.ones_like(mask), offsets
+        packed = real(prompts, past_len, trees)
+        return packed._replace(allowed=torch.ones_like(packed.allowed))
 
     monkeypatch.setattr(packing_module, "pack_rows", leaky)
     with pytest.raises(PrecisionCheckError, match="self-check failed in bfloat16") as caught:
