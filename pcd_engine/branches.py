@@ -100,7 +100,46 @@ def build_tree(
             raise TokenizationError(f"candidate {candidates[i]!r} tokenizes as a prefix of another")
     if until_unique:
         continuations = [c[: _unique_length(c, continuations)] for c in continuations]
+    return _assemble(chain, continuations)
 
+
+def cut_tree(whole: TokenTree) -> TokenTree:
+    """`whole` with each continuation cut at its distinguishing token (`build_tree(..., until_unique=True)`
+    of the same candidates)."""
+    continuations = [list(whole.continuation(c)) for c in range(len(whole.paths))]
+    return _assemble(list(whole.chain), [c[: _unique_length(c, continuations)] for c in continuations])
+
+
+def sub_tree(whole: TokenTree, keep: Sequence[int]) -> TokenTree:
+    """`whole`'s chain and the whole continuations of the candidates numbered `keep` (path j of the
+    result is candidate keep[j]): every kept token has the same tokens before it and the same depth,
+    so it gets the same log-prob as in `whole` (a shortlist's exact second pass)."""
+    return _assemble(list(whole.chain), [list(whole.continuation(c)) for c in keep])
+
+
+def rows_in(tree: TokenTree, whole: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a tree made of `whole`'s chain and prefixes of its continuations (a cut tree, a sub-tree):
+    the row of `whole`'s scored log-probs with the same tokens before it, per scored row of `tree`,
+    and the column of `whole.vocab` of each of `tree.vocab`; `whole_scores[rows][:, columns]` is
+    then `tree`'s part of them (a content-free prior computed once on the whole tree)."""
+    where = {(): -1, **{prefix: fed for fed, prefix in enumerate(_prefixes(whole))}}
+    own = _prefixes(tree)  # fed index -1 (an empty chain's root) is the prompt's last token: ()
+    rows = [where[own[fed] if fed >= 0 else ()] - whole.root for fed in tree.scored]
+    columns = [whole.column[token] for token in tree.vocab]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(columns, dtype=torch.long)
+
+
+def _prefixes(tree: TokenTree) -> list[tuple[int, ...]]:
+    """Per fed index, the tokens from the first fed one up to it."""
+    out: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents, strict=True):
+        out.append((out[parent] if parent >= 0 else ()) + (token,))
+    return out
+
+
+def _assemble(chain: Sequence[int], continuations: Sequence[Sequence[int]]) -> TokenTree:
+    """The fed tokens of a chain and a trie of continuations, and each continuation's scored path."""
+    shared = len(chain)
     tokens, parents, depths = list(chain), [i - 1 for i in range(shared)], list(range(shared))
     node_of: dict[tuple[int, ...], int] = {(): shared - 1}
     paths = []

@@ -207,7 +207,7 @@ def _load_weights(path: Path, weights: Mapping[str, Any] | None) -> dict[str, to
 
 
 def plan_rules(plan: SchemaPlan) -> dict[str, str]:
-    return {dp.decision.path: dp.rule.name for dp in plan.scored_decisions}
+    return {dp.decision.path: dp.rule_name for dp in plan.scored_decisions}
 
 
 def apply_all(

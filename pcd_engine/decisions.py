@@ -53,18 +53,12 @@ def decide_field(
     """One scored decision under `rule`, after subtracting `prior` if the rule corrects it."""
     assert dp.tree is not None
     if rule.corrects_prior and prior is not None:
+        if dp.whole is not None:  # a shortlist's first pass: the whole tree's prior, cut
+            rows, columns = dp.first_rows
+            prior = prior[rows][:, columns]
         logprobs = logprobs - prior
     values = [c.value for c in dp.decision.candidates]
-    scores = rule.score(dp.tree, logprobs)
-    runner_up = max(p for i, p in enumerate(scores.probabilities) if i != scores.chosen)
-    return FieldResult(
-        dp.decision.path,
-        values[scores.chosen],
-        dict(zip(values, scores.probabilities, strict=True)),
-        dict(zip(values, scores.log_scores, strict=True)),
-        scores.probabilities[scores.chosen] - runner_up,
-        rule.name,
-    )
+    return FieldResult.scored(dp.decision.path, values, rule.score(dp.tree, logprobs), rule.name)
 
 
 def fixed_field(dp: DecisionPlan) -> FieldResult:

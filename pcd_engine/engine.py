@@ -25,7 +25,7 @@ from typing import Any, TypeVar, overload
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import calibration, fitting, precision
+from pcd_engine import calibration, fitting, precision, shortlist
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import Calibration
 from pcd_engine.chat import ChatMixin, stop_ids
@@ -45,6 +45,7 @@ from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
 from pcd_engine.scoring import Rule, get_rule, layout
+from pcd_engine.shortlist import ShortlistPolicy
 from pcd_engine.tool_calls import ToolCaller
 
 T = TypeVar("T", bound=BaseModel)
@@ -108,6 +109,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         branch_wording: str = "json",
         allow_empty_text: bool = False,
         text_framing: str = "turn",
+        shortlist: ShortlistPolicy | bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -133,7 +135,10 @@ class PCDEngine(LearningMixin, ChatMixin):
             self.rescorer = precision.FP32Rescorer(
                 reference_model, rescore_margin, budget, cached, self.prompt
             )
-        self._plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording)
+        if shortlist is True:
+            shortlist = ShortlistPolicy.for_device(self.runner.device)
+        self.shortlist = shortlist or None
+        self._plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording, self.shortlist)
         self.precision_check: precision.SelfCheck | None = None
         if self_check and self.runner.dtype != torch.float32:
             probe = self.plan(precision.ProbeTicket, rule="option", allow_generation=False)
@@ -179,10 +184,12 @@ class PCDEngine(LearningMixin, ChatMixin):
         allow_generation: bool | None = None,
         examples: Sequence[tuple[str, Any]] | None = None,
         layout: str = "chat",
+        shortlisted: bool = True,
     ) -> SchemaPlan:
         """The cached SchemaPlan for a schema (compiles it on first use; raises schema errors).
         `examples` (default: the model's `pcd_examples`) are labeled (text, answer) pairs rendered
-        into the cached head; `layout` "raw" or "raw-value" plans for `RawPrompt` inputs."""
+        into the cached head; `layout` "raw" or "raw-value" plans for `RawPrompt` inputs;
+        `shortlisted=False` scores every field on its whole tree whatever the engine's shortlist."""
         model = output_type(schema).model
         compiled = compile_schema(model, self.limits, allow_open=True)
         allowed = self.allow_generation if allow_generation is None else allow_generation
@@ -191,7 +198,8 @@ class PCDEngine(LearningMixin, ChatMixin):
         chosen_rule = self.rule if rule is None else get_rule(rule)
         text = instructions if instructions is not None else self.instructions
         shots = examples if examples is not None else getattr(model, "pcd_examples", None) or ()
-        return self._plans.get(compiled, chosen_rule, text, example_turns(model, shots), layout)
+        turns = example_turns(model, shots)
+        return self._plans.get(compiled, chosen_rule, text, turns, layout, shortlisted)
 
     @overload
     def classify(
@@ -330,7 +338,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         if len({layout(r) for r in chosen}) > 1:
             raise ValueError("these rules read different trees (codes, cut or not); compare them separately")
         started = time.perf_counter()
-        plan = self.plan(schema, rule=chosen[0], allow_generation=False)
+        plan = self.plan(schema, rule=chosen[0], allow_generation=False, shortlisted=False)
         shared = Request.render(self.prompt, plan, text, self.limits, None, self.allow_empty_text)
         normalized = [any(r.needs_normalizer for r in chosen)] * len(plan.trees)
         (logprobs,) = self.scorer.score(plan, [shared.prompt.ids], [shared.stats], normalized=normalized)
@@ -443,6 +451,8 @@ class PCDEngine(LearningMixin, ChatMixin):
         priors = self.scorer.priors(plan, stats[0]) if wanted else None
         for k, (request, logprobs) in enumerate(zip(requests, runs, strict=True)):
             request.fields = decide(plan, logprobs, priors)
+            if plan.shortlisted:  # the shortlisted fields' best values, scored whole
+                shortlist.finish(self.scorer, plan, request.prompt.ids, request.fields, request.stats, priors)
             if capture is not None:
                 request.hidden = capture[k].states()
             request.timings["forward"] = (scored - began) * 1e3 / len(requests)

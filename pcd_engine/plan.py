@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pcd_engine import packing
-from pcd_engine.branches import TokenizationError, TokenTree, build_tree
+import torch
+
+from pcd_engine import packing, shortlist
+from pcd_engine.branches import TokenizationError, TokenTree, build_tree, rows_in
 from pcd_engine.errors import InputError, SchemaLimitError, UnsupportedSchemaError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
 from pcd_engine.layout import (
@@ -39,6 +41,19 @@ class DecisionPlan:
     decision: Decision
     tree: TokenTree | None  # None: a single allowed value, nothing to score
     rule: Rule  # the rule used for this decision (code falls back to option where codes collide)
+    whole: TokenTree | None = None  # a shortlisted decision's whole tree (`tree` is then its cut)
+    keep: int = 0  # how many values a shortlisted decision scores whole (shortlist.py)
+
+    @property
+    def rule_name(self) -> str:
+        """The rule, and the shortlist when the decision has one (`option-cc+top8`)."""
+        return f"{self.rule.name}+top{self.keep}" if self.whole is not None else self.rule.name
+
+    @cached_property
+    def first_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shortlisted decision's cut tree in its whole tree's scores: (rows, columns)."""
+        assert self.tree is not None and self.whole is not None
+        return rows_in(self.tree, self.whole)
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,18 @@ class SchemaPlan:
 
     @cached_property
     def trees(self) -> tuple[TokenTree, ...]:
+        """What the (first) scoring pass feeds, per scored decision."""
         return tuple(d.tree for d in self.scored_decisions if d.tree is not None)
+
+    @cached_property
+    def prior_trees(self) -> tuple[TokenTree, ...]:
+        """What the content-free priors are computed on: the whole tree of a shortlisted decision
+        (its cut tree and its second pass read parts of that prior)."""
+        return tuple(d.whole or d.tree for d in self.scored_decisions if d.tree is not None)
+
+    @cached_property
+    def shortlisted(self) -> bool:
+        return any(d.whole is not None for d in self.decisions)
 
     @cached_property
     def normalized(self) -> tuple[bool, ...]:
@@ -97,6 +123,7 @@ class PlanCache:
         limits: Limits,
         check: Callable[[SchemaPlan], None] | None = None,
         wording: str = "json",
+        shortlist: shortlist.ShortlistPolicy | None = None,
     ) -> None:
         if wording not in WORDINGS:
             raise ValueError(f"unknown branch wording {wording!r}; choose one of {WORDINGS}")
@@ -104,6 +131,7 @@ class PlanCache:
         self.limits = limits
         self.wording = wording
         self.check = check
+        self.shortlist = shortlist
         self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
         self._lock = threading.Lock()
 
@@ -114,13 +142,18 @@ class PlanCache:
         instructions: str | None,
         examples: tuple[tuple[str, str], ...] = (),
         layout: str = "chat",
+        shortlisted: bool = True,
     ) -> SchemaPlan:
-        key = (compiled.schema, rule, instructions, examples, layout)
+        """The plan; `shortlisted=False`: every decision's whole tree, whatever the policy."""
+        key = (compiled.schema, rule, instructions, examples, layout, shortlisted)
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
             limits, wording = self.limits, self.wording
-            plan = build_plan(compiled, self.prompt, rule, instructions, limits, examples, wording, layout)
+            policy = self.shortlist if shortlisted else None
+            plan = build_plan(
+                compiled, self.prompt, rule, instructions, limits, examples, wording, layout, policy
+            )
             if plan.json_schema is not None and self.check is not None:
                 self.check(plan)
             with self._lock:
@@ -137,9 +170,12 @@ def build_plan(
     examples: tuple[tuple[str, str], ...] = (),
     wording: str = "json",
     layout: str = "chat",
+    policy: shortlist.ShortlistPolicy | None = None,
 ) -> SchemaPlan:
+    """The plan of a compiled schema; with a shortlist `policy`, the decisions it shortlists are
+    scored in two passes (shortlist.py)."""
     if layout != "chat":
-        return _raw_plan(compiled, prompt, rule, limits, examples, layout, wording)
+        return _raw_plan(compiled, prompt, rule, limits, examples, layout, wording, policy)
     plans, codes = [], {}
     for decision in compiled.decisions:
         field = compiled.fields[decision.field_index]
@@ -176,7 +212,8 @@ def build_plan(
         head = prompt.render_head(system, examples, tools)
     else:
         head, tools = prompt.render_head(system, examples), ()
-    return SchemaPlan(compiled, system, head, tuple(plans), schema, examples, wording, tools)
+    decisions = shortlist.apply(plans, policy)
+    return SchemaPlan(compiled, system, head, decisions, schema, examples, wording, tools)
 
 
 def _raw_plan(
@@ -187,6 +224,7 @@ def _raw_plan(
     examples: tuple[tuple[str, str], ...],
     layout: str,
     wording: str,
+    policy: shortlist.ShortlistPolicy | None,
 ) -> SchemaPlan:
     """The plan after a raw prompt: no system text, the tokenizer's BOS (if any) as the head, no
     codes (nothing lists them) and no content-free prior (the prompt's wording is the caller's, so
@@ -226,7 +264,8 @@ def _raw_plan(
     schema = None
     if compiled.open_fields:
         schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
-    return SchemaPlan(compiled, "", prompt.raw_head, tuple(plans), schema, (), wording, (), layout)
+    decisions = shortlist.apply(plans, policy)
+    return SchemaPlan(compiled, "", prompt.raw_head, decisions, schema, (), wording, (), layout)
 
 
 def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:

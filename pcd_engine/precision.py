@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel
 
+from pcd_engine import shortlist
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import PrefixCache
 from pcd_engine.decisions import decide_field
@@ -136,10 +137,14 @@ class FP32Rescorer:
         priors = None
         if any(scored[k].rule.corrects_prior for k in low):
             priors = self.scorer.priors(plan, stats)
+        fields = {}
         for k, lp in zip(low, logprobs, strict=True):
             dp = scored[k]
-            result = decide_field(dp, lp, priors[k] if priors is not None else None, dp.rule)
-            request.fields[dp.decision.path] = dataclasses.replace(result, rescored=True)
+            prior = priors[k] if priors is not None else None
+            fields[dp.decision.path] = decide_field(dp, lp, prior, dp.rule)
+        shortlist.finish(self.scorer, plan, request.prompt.ids, fields, stats, priors, among=low)
+        for path, result in fields.items():
+            request.fields[path] = dataclasses.replace(result, rescored=True)
         self.rescored_fields += len(low)
         request.rescored += len(low)
         request.stats.forward_calls += stats.forward_calls

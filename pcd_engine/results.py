@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
 from pcd_engine.schema import JSONScalar
+
+if TYPE_CHECKING:
+    from pcd_engine.scoring import Scores
 
 T = TypeVar("T")
 
@@ -41,6 +45,20 @@ class FieldResult:
     rescored: bool = False  # decided on the FP32 reference model (its margin was below the threshold)
     calibration: str | None = None  # the method of the calibration applied, None if none was
     abstained: bool = False  # confidence below the request's abstain_below: review this field
+
+    @classmethod
+    def scored(cls, path: str, values: Sequence[JSONScalar], scores: Scores, rule: str) -> FieldResult:
+        """A scored field from a rule's scores over `values` (in candidate order)."""
+        probabilities, chosen = scores.probabilities, scores.chosen
+        runner_up = max(p for i, p in enumerate(probabilities) if i != chosen)
+        return cls(
+            path,
+            values[chosen],
+            dict(zip(values, probabilities, strict=True)),
+            dict(zip(values, scores.log_scores, strict=True)),
+            probabilities[chosen] - runner_up,
+            rule,
+        )
 
     @classmethod
     def generated(cls, path: str, value: Any) -> FieldResult:

@@ -80,7 +80,8 @@ class Scorer:
         self, plan: SchemaPlan, stats: PassStats, normalized: Sequence[bool] | None = None
     ) -> list[torch.Tensor]:
         """Per tree, the content-free prior in the same units as the scores (`normalized`: log-probs
-        or logits per tree); the first call per plan runs the texts on `stats`' behalf."""
+        or logits per tree), over `plan.prior_trees` (a shortlisted decision's whole tree); the
+        first call per plan runs the texts on `stats`' behalf."""
         key = (id(plan), tuple(plan.normalized if normalized is None else normalized))
         with self._lock:
             cached = self._priors.get(key)
@@ -89,7 +90,7 @@ class Scorer:
         runs = []
         for text in CONTENT_FREE_TEXTS:
             ids = self.prompt.with_head(plan.head, text).ids
-            runs.append(self._alone(ids, plan.trees, stats, len(plan.head), key[1]))
+            runs.append(self._alone(ids, plan.prior_trees, stats, len(plan.head), key[1]))
         count = torch.log(torch.tensor(float(len(runs))))
         priors = [
             torch.logsumexp(torch.stack(per_tree), dim=0) - count for per_tree in zip(*runs, strict=True)
@@ -97,6 +98,13 @@ class Scorer:
         with self._lock:
             self._priors[key] = priors
         return priors
+
+    def score_trees(
+        self, plan: SchemaPlan, prompt_ids: Sequence[int], trees: Sequence[TokenTree], stats: PassStats
+    ) -> list[torch.Tensor]:
+        """Log-probs (normalised) of other trees than the plan's after one of its prompts (a
+        shortlist's second pass), on the cached head."""
+        return self._alone(prompt_ids, trees, stats, len(plan.head), [True] * len(trees))
 
     def head_kv(self, prompt_ids: Sequence[int], head_len: int, stats: PassStats) -> tuple[Any, int]:
         """(private KV, length) of the longest cached prefix of the prompt; on a miss, the first

@@ -88,7 +88,8 @@ def token_logprobs(tree: TokenTree, logprobs: torch.Tensor) -> list[torch.Tensor
     return out
 
 
-def _from_scores(log_scores: torch.Tensor, chosen: int | None = None) -> Scores:
+def from_scores(log_scores: torch.Tensor, chosen: int | None = None) -> Scores:
+    """Scores with their softmax and the choice (the argmax unless `chosen` is given)."""
     probs = torch.softmax(log_scores.double(), dim=0)
     pick = int(torch.argmax(log_scores)) if chosen is None else chosen
     return Scores(tuple(log_scores.tolist()), tuple(probs.tolist()), pick)
@@ -111,7 +112,7 @@ class OptionRule:
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores:
         per_token = token_logprobs(tree, logprobs)
         reduce = torch.sum if self.normalize == "sum" else torch.mean
-        return _from_scores(torch.stack([reduce(t) for t in per_token]))
+        return from_scores(torch.stack([reduce(t) for t in per_token]))
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class CodeRule:
         if len(set(firsts)) != len(firsts):
             raise ValueError("code rule needs candidates with distinct first tokens")
         scores = root[torch.tensor([tree.column[t] for t in firsts])]
-        return _from_scores(scores - torch.logsumexp(scores, dim=0))
+        return from_scores(scores - torch.logsumexp(scores, dim=0))
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class GreedyRule:
                 local = torch.log_softmax(logprobs[rows[pred], columns].double(), dim=0)
                 total += float(local[allowed.index(token)])
             log_scores.append(total)
-        return _from_scores(torch.tensor(log_scores), self._walk(tree, logprobs, rows))
+        return from_scores(torch.tensor(log_scores), self._walk(tree, logprobs, rows))
 
     @staticmethod
     def _walk(tree: TokenTree, logprobs: torch.Tensor, rows: dict[int, int]) -> int:
