@@ -8,7 +8,14 @@ fields), and the ECE's sampling floor: the ECE of labels drawn from the answers'
 i.e. what a perfectly calibrated model would show on this many rows (20 draws). An ECE near its
 floor cannot be told apart from perfect calibration on this data.
 
+With two `--variants` (engine options: rule, dtype, shortlist), scored and fitted on the same label
+draws, the accuracies are also compared draw by draw: the mean paired difference and its spread
+(standard deviation over the draws), beside each one's uncalibrated accuracy over all 300 rows and
+how many uncalibrated answers the two give alike.
+
     python benchmarks/calibration_drift.py --json out/calibration_drift.json
+    python benchmarks/calibration_drift.py --sets bitext_customer_support --counts 50 --draws 10 \
+        --variants rule=option-cc rule=option-boolcut-cc --json out/default_rule.json
 """
 
 from __future__ import annotations
@@ -43,7 +50,11 @@ def floor_ece(probabilities: list[list[float]], rng: random.Random, times: int =
 
 def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str, Any]:
     _, rows, plan, scored, truth = scored_set(engine, name, Path(args.cache))
+    accuracy = uncalibrated(plan, scored, truth)
     paths = [dp.decision.path for dp in plan.scored_decisions]
+    variant = f"{engine.rule.name} {engine.runner.dtype} shortlist={'on' if plan.shortlisted else 'off'}"
+    rescored = statistics.fmean(s[0][p].rescored for s in scored for p in paths)
+    print(f"{name} {variant}: uncalibrated accuracy {accuracy:.3f}, rescored {rescored:.3f}", flush=True)
     values = {
         dp.decision.path: [json_key(c.value) for c in dp.decision.candidates] for dp in plan.scored_decisions
     }
@@ -85,7 +96,12 @@ def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str,
             figures["ece"].append(statistics.fmean(metrics.ece(*pooled[p]) for p in paths))
             figures["floor"].append(statistics.fmean(floor_ece(pooled[p][0], rng) for p in paths))
         mean = {k: statistics.fmean(v) for k, v in figures.items()}
-        out[str(count)] = {**mean, "ece_per_draw": figures["ece"], "chosen": chosen}
+        out[str(count)] = {
+            **mean,
+            "ece_per_draw": figures["ece"],
+            "accuracy_per_draw": figures["accuracy"],
+            "chosen": chosen,
+        }
         print(
             f"{name} {count:>4} labels: accuracy {mean['accuracy']:.3f}  "
             f"confidence {mean['confidence']:.3f}  "
@@ -93,7 +109,45 @@ def run_set(engine: PCDEngine, name: str, args: argparse.Namespace) -> dict[str,
             f"{mean['floor']:.3f}  fit {statistics.median(figures['seconds']):.0f} s  chosen {chosen}",
             flush=True,
         )
+    out["uncalibrated"] = accuracy
+    out["answers"] = [{p: json_key(s[0][p].value) for p in paths} for s in scored]
     return out
+
+
+def uncalibrated(plan: Any, scored: list, truth: list[dict[str, Any]]) -> float:
+    """Field accuracy of the rule's own answers over every row (mean over the fields)."""
+    paths = [dp.decision.path for dp in plan.scored_decisions]
+    pairs = list(zip(scored, truth, strict=True))
+    right = [[json_key(s[0][p].value) == json_key(t[p]) for s, t in pairs] for p in paths]
+    return statistics.fmean(statistics.fmean(r) for r in right)
+
+
+def paired(first: dict[str, Any], second: dict[str, Any], count: str) -> tuple[float, float, int]:
+    """Mean and standard deviation over the draws of the second variant's accuracy minus the first's."""
+    differences = [
+        b - a
+        for a, b in zip(first[count]["accuracy_per_draw"], second[count]["accuracy_per_draw"], strict=True)
+    ]
+    spread = statistics.stdev(differences) if len(differences) > 1 else 0.0
+    return statistics.fmean(differences), spread, len(differences)
+
+
+def agreement(first: dict[str, Any], second: dict[str, Any]) -> float:
+    """The share of (row, field) answers, uncalibrated, that two variants give alike."""
+    pairs = list(zip(first["answers"], second["answers"], strict=True))
+    return statistics.fmean(a[p] == b[p] for a, b in pairs for p in a)
+
+
+def engine_options(variant: str) -> dict[str, Any]:
+    """`rule=option-cc,dtype=bfloat16,shortlist=off` -> load_smollm2's options."""
+    options: dict[str, Any] = {}
+    for part in filter(None, variant.split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("rule", "dtype", "shortlist", "fp32_rescore"):
+            keys = "rule, dtype, shortlist, fp32_rescore"
+            raise SystemExit(f"unknown variant key {key!r} in {variant!r}: use {keys}")
+        options[key] = value if key in ("rule", "dtype") else value == "on"
+    return options
 
 
 def main() -> None:
@@ -104,10 +158,29 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--draws", type=int, default=3, help="label draws per count below the whole pool")
     parser.add_argument("--cache", default="out/labels-cache", help="benchmarks/labels.py's scored rows")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[""],
+        help="engines compared on the same draws: rule=R, dtype=D, shortlist=on|off, fp32_rescore=on|off",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    engine = load_smollm2()
-    results = {name: run_set(engine, name, args) for name in args.sets}
+    results: dict[str, dict[str, Any]] = {}
+    for variant in args.variants:
+        engine = load_smollm2(**engine_options(variant))
+        for name in args.sets:
+            results.setdefault(name, {})[variant or "default"] = run_set(engine, name, args)
+    if len(args.variants) == 2:
+        for name, per_variant in results.items():
+            first, second = per_variant.values()
+            labels = " - ".join(reversed(list(per_variant)))
+            print(f"{name}: uncalibrated answers alike {agreement(first, second):.3f}")
+            for count in first:
+                if count in ("uncalibrated", "answers"):
+                    continue
+                mean, spread, draws = paired(first, second, count)
+                print(f"{name} {count} labels: {labels} = {mean:+.3f} (sd {spread:.3f} over {draws} draws)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -34,6 +34,7 @@ from benchmarks.accuracy_latency import SETS, run_ar, xgrammar_grammar
 from benchmarks.data import load_set
 from minicpm_pcd_adapters import load_smollm2
 from pcd_engine import HiddenStates, PCDEngine, PCDError, metrics
+from pcd_engine.calibration import plan_rules
 from pcd_engine.fitting import decision_labels, fit
 from pcd_engine.results import json_key
 from pcd_engine.suggestions import pick_uncertain
@@ -45,10 +46,14 @@ METHODS = ("none", "temperature", "bias", "batch", "head", "auto")
 def scored_rows(engine: PCDEngine, name: str, schema: Any, rows: list[dict[str, Any]], cache: Path) -> list:
     """Per row: (fields, hidden states), from the cache file when it holds this set."""
     plan = engine.plan(schema)
-    path = cache / f"{name}-{engine.rule.name}.pt"
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    variant = ("-shortlist" if plan.shortlisted else "") + ("" if dtype == "float32" else "-" + dtype)
+    variant += "-rescore" if engine.rescorer is not None else ""
+    path = cache / f"{name}-{engine.rule.name}{variant}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=False)
-        if saved["fingerprint"] == plan.fingerprint:
+        rules = saved.get("rules", plan_rules(plan))  # files from before shortlists: named apart
+        if saved["fingerprint"] == plan.fingerprint and rules == plan_rules(plan):
             return saved["rows"]
     started = time.perf_counter()
     out = engine.score_fields(plan, [r["text"] for r in rows], hidden=True)
@@ -56,7 +61,7 @@ def scored_rows(engine: PCDEngine, name: str, schema: Any, rows: list[dict[str, 
     if any(isinstance(o, PCDError) for o in out):
         raise RuntimeError(f"{name}: some rows could not be scored")
     cache.mkdir(parents=True, exist_ok=True)
-    torch.save({"fingerprint": plan.fingerprint, "rows": out}, path)
+    torch.save({"fingerprint": plan.fingerprint, "rules": plan_rules(plan), "rows": out}, path)
     return out
 
 
