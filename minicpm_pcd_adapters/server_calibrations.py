@@ -27,6 +27,11 @@ class Calibrations:
                     f"{path} was fitted on model {calibration.model.name!r}, not on the served model "
                     f"{engine.model_identity.name!r} (its configuration or weights differ)"
                 )
+            if calibration.model.precision != engine.model_identity.precision:
+                raise CalibrationError(
+                    f"{path} was fitted on scores computed in {calibration.model.precision}; the served "
+                    f"engine computes them in {engine.model_identity.precision}"
+                )
             self.by_name[name] = calibration
 
     def match(self, plan: SchemaPlan) -> str | None:

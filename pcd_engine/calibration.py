@@ -70,11 +70,15 @@ FieldMap = FieldCalibration | FieldHead
 class ModelIdentity:
     """Which weights scores came from. `config` hashes the model's configuration (paths, dtype and
     versions left out); `probe` holds the norms of slices of a few weight tensors, compared with a
-    1% tolerance so that the same weights in another dtype or device still match."""
+    1% tolerance so that the same weights in another dtype or device still match. `precision` is
+    how the scores were computed (`float32`, `bfloat16`, `bfloat16, fp32 re-scoring below 0.2`):
+    the same weights in another precision move scores and decisions, so a calibration is refused
+    there (files from before it was recorded were fitted in float32)."""
 
     name: str
     config: str
     probe: tuple[float, ...]
+    precision: str = "float32"
 
     def matches(self, other: ModelIdentity) -> bool:
         return (
@@ -87,7 +91,10 @@ class ModelIdentity:
         )
 
 
-def model_identity(model: Any, probes: int = 8, width: int = 4096) -> ModelIdentity:
+def model_identity(
+    model: Any, precision: str | None = None, probes: int = 8, width: int = 4096
+) -> ModelIdentity:
+    """`precision` defaults to the dtype of the model's weights."""
     config = getattr(model, "config", None)
     data = config.to_dict() if config is not None else {}
     skip = {"_name_or_path", "name_or_path", "torch_dtype", "dtype", "transformers_version", "_commit_hash"}
@@ -99,7 +106,9 @@ def model_identity(model: Any, probes: int = 8, width: int = 4096) -> ModelIdent
     with torch.no_grad():
         probe = tuple(float(p.detach().reshape(-1)[:width].float().norm()) for p in picked)
     name = str(data.get("_name_or_path") or type(model).__name__)
-    return ModelIdentity(name, hashlib.sha256(text.encode()).hexdigest(), probe)
+    if precision is None:
+        precision = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return ModelIdentity(name, hashlib.sha256(text.encode()).hexdigest(), probe, precision)
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,11 @@ class Calibration:
             raise CalibrationError(
                 f"this calibration was fitted on model {self.model.name!r}, not on {model.name!r} "
                 "(its configuration or weights differ); fit one on this model"
+            )
+        if self.model.precision != model.precision:
+            raise CalibrationError(
+                f"this calibration was fitted on scores computed in {self.model.precision}, and this "
+                f"engine computes them in {model.precision}; fit one with this engine"
             )
         rules = plan_rules(plan)
         if rules != dict(self.rules):
@@ -182,7 +196,8 @@ class Calibration:
                         f["method"], tuple(f["values"]), float(f["temperature"]), tuple(f["bias"])
                     )
             model = data["model"]
-            identity = ModelIdentity(model["name"], model["config"], tuple(model["probe"]))
+            precision = model.get("precision", "float32")
+            identity = ModelIdentity(model["name"], model["config"], tuple(model["probe"]), precision)
             return cls(fields, data["schema"], identity, data["rules"], data.get("report", {}))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise CalibrationError(f"cannot load a calibration from {path}: {error}") from None

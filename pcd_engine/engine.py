@@ -327,8 +327,17 @@ class PCDEngine(LearningMixin, ChatMixin):
 
     @cached_property
     def model_identity(self) -> calibration.ModelIdentity:
-        """What calibrations fitted on this engine record and check (configuration and weight probe)."""
-        return calibration.model_identity(self.model)
+        """What calibrations fitted on this engine record and check (configuration, weight probe and
+        the precision scores are computed in)."""
+        return calibration.model_identity(self.model, self.precision)
+
+    @property
+    def precision(self) -> str:
+        """How scores are computed: the weights' dtype, and FP32 re-scoring of close calls if any."""
+        dtype = str(self.runner.dtype).removeprefix("torch.")
+        if self.rescorer is None:
+            return dtype
+        return f"{dtype}, fp32 re-scoring below {self.rescorer.margin:g}"
 
     def compare_rules(
         self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")

@@ -4,6 +4,7 @@ a tiny random Llama (what is applied, what is refused, what the head holds)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import pytest
@@ -191,11 +192,36 @@ def test_a_calibration_is_refused_for_another_schema_rule_model_or_prompt(engine
         Calibration.load(tmp_path / "broken.json")
 
 
-def test_the_same_weights_in_another_dtype_are_the_same_model(engine, tiny_model):
+def test_the_same_weights_in_another_dtype_are_the_same_model_but_not_the_same_scores(
+    engine, tiny_model, tmp_path
+):
     import copy
 
     half = copy.deepcopy(tiny_model).to(torch.bfloat16)
-    assert engine.model_identity.matches(PCDEngine(half, engine.tokenizer, self_check=False).model_identity)
+    bf16 = PCDEngine(half, engine.tokenizer, self_check=False)
+    assert engine.model_identity.matches(bf16.model_identity)
+    assert (engine.precision, bf16.precision) == ("float32", "bfloat16")
+    mixed = PCDEngine(half, engine.tokenizer, self_check=False, reference_model=tiny_model)
+    assert mixed.precision == "bfloat16, fp32 re-scoring below 0.2"
+    fitted = engine.calibrate(Ticket, TEXTS, method="batch")
+    fitted.save(tmp_path / "fp32.json")
+    loaded = Calibration.load(tmp_path / "fp32.json")
+    assert loaded.model.precision == "float32"
+    engine.classify(TEXTS[0], Ticket, calibration=loaded)
+    for other in (bf16, mixed):
+        with pytest.raises(
+            CalibrationError,
+            match=re.escape(f"computed in float32, and this engine computes them in {other.precision}"),
+        ):
+            other.classify(TEXTS[0], Ticket, calibration=loaded)
+    bf16.classify(TEXTS[0], Ticket, calibration=bf16.calibrate(Ticket, TEXTS, method="batch"))
+    from minicpm_pcd_adapters.server_calibrations import Calibrations  # pcd serve --calibration
+
+    assert Calibrations(engine, [str(tmp_path / "fp32.json")]).by_name
+    with pytest.raises(
+        CalibrationError, match=re.escape("fp32.json was fitted on scores computed in float32")
+    ):
+        Calibrations(bf16, [str(tmp_path / "fp32.json")])
 
 
 def test_batch_calibration_within_a_batch_equals_fitting_it_on_those_texts(engine):
