@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import resource
 import statistics
 import subprocess
@@ -40,7 +41,6 @@ from benchmarks.accuracy_latency import (
 from benchmarks.data import load_set
 from minicpm_pcd_adapters import load_smollm2
 from pcd_engine import Limits, PCDEngine
-from pcd_engine.scoring import ContextualCalibration, GreedyRule
 
 AR_TOKENS = {"bitext_customer_support": 128, "banking77": 40}
 WORDS = ["red", "green", "blue", "black", "white", "orange", "purple", "brown"]
@@ -55,16 +55,37 @@ def run_engine(engine: PCDEngine, schema: type[BaseModel], rule: str | None = No
     return call
 
 
-def latency(base: PCDEngine, name: str, limit: int, greedy_limit: int, llama: Any = None) -> dict[str, Any]:
+def configurations(base: PCDEngine, bf16: bool) -> dict[str, tuple[PCDEngine, str | None]]:
+    """Ours, as (engine, rule): the default, the default before issue 35 (option-cc on whole trees,
+    FP32), the cut greedy rule and, with `bf16`, the default on a bf16 copy of the weights."""
+    out: dict[str, tuple[PCDEngine, str | None]] = {
+        f"ours warm (default: {base.rule.name}, {str(base.runner.dtype).removeprefix('torch.')})": (
+            base,
+            None,
+        ),
+        "ours warm (option-cc, whole trees, fp32: before)": (
+            PCDEngine(base.model, base.tokenizer, shortlist=False),
+            "option-cc",
+        ),
+        "ours warm (greedy-cc)": (base, "greedy-cc"),
+    }
+    if bf16 and base.runner.dtype != torch.bfloat16:
+        fast = PCDEngine(copy.deepcopy(base.model).to(torch.bfloat16), base.tokenizer, rule=base.rule)
+        out[f"ours warm (default: {base.rule.name}, bfloat16)"] = (fast, None)
+    return out
+
+
+def latency(
+    base: PCDEngine, name: str, limit: int, greedy_limit: int, llama: Any = None, bf16: bool = False
+) -> dict[str, Any]:
     schema, rows = load_set(name, limit)
+    ours = configurations(base, bf16)
     cold = PCDEngine(base.model, base.tokenizer, prefix_cache=False)
-    rules = ["option-cc", "option-unique-cc", "greedy-cc"]
-    for engine in (base, cold):  # compile the plan and its content-free prior outside the timing
-        for rule in rules:
-            engine.classify("warm-up", schema, rule=rule)
-    systems = {f"ours warm ({rule})": run_engine(base, schema, rule) for rule in rules}
+    for engine, rule in [*ours.values(), (cold, None)]:  # the plan and its prior outside the timing
+        engine.classify("warm-up", schema, rule=rule)
+    systems = {label: run_engine(engine, schema, rule) for label, (engine, rule) in ours.items()}
     systems |= {
-        "ours cold (option-cc, no prefix cache)": run_engine(cold, schema),
+        "ours cold (default, no prefix cache)": run_engine(cold, schema),
         "floor (bare forward, same prompt)": run_floor(base, schema),
     }
     if llama is not None:
@@ -111,6 +132,7 @@ def breakdown(engine: PCDEngine, name: str, limit: int, rules: list[str]) -> dic
     from pcd_engine.runner import PassStats
 
     schema, rows = load_set(name, limit)
+    engine = PCDEngine(engine.model, engine.tokenizer, shortlist=False)  # one pass per request, measured
     decoder = engine.model.get_decoder()
     out: dict[str, Any] = {}
     for rule in rules:
@@ -192,30 +214,38 @@ def one_field(values: list[str]) -> type[BaseModel]:
     return create_model(f"Many{len(values)}", label=(Literal[tuple(values)], ...))  # type: ignore[misc]
 
 
-WHOLE_TREES = {"greedy-cc, whole trees": ContextualCalibration(GreedyRule(until_unique=False))}
+SIZES = (2, 77, 150, 300)
 
 
-def many_values(engine: PCDEngine, limit: int, rules: list[str]) -> dict[str, Any]:
-    """Warm latency of one field of 2, 77 (banking77's intents) and 300 (synthetic `adjective_noun`)
-    values, per rule; the cost per value is (t_N - t_2) / (N - 2)."""
-    engine = PCDEngine(engine.model, engine.tokenizer, limits=Limits(max_candidates=512))  # 300 > 256
+def many_values(engine: PCDEngine, limit: int, bf16: bool) -> dict[str, Any]:
+    """Warm latency of one field of 2, 77 (banking77's intents), 150 and 300 (synthetic
+    `adjective_noun`) values, per configuration of ours; the cost per value is (t_N - t_2) / (N - 2)."""
+    limits = Limits(max_candidates=512)  # 300 > 256
     banking, rows = load_set("banking77", limit)
     intents = list(banking.model_fields["intent"].annotation.__args__)  # type: ignore[union-attr]
     synthetic = [f"{a}_{n}" for a in ADJECTIVES.split() for n in NOUNS.split()]
-    fields = {2: one_field(["yes_it_is", "no_it_is_not"]), 77: one_field(intents), 300: one_field(synthetic)}
+    random.Random(0).shuffle(synthetic)
+    fields = {2: one_field(["yes_it_is", "no_it_is_not"]), 77: one_field(intents)}
+    fields |= {n: one_field(sorted(synthetic[:n])) for n in SIZES[2:]}
     out: dict[str, Any] = {}
-    for name in rules:
-        rule = WHOLE_TREES.get(name, name)
+    for name, (ours, rule) in configurations(engine, bf16).items():
+        ours = PCDEngine(ours.model, ours.tokenizer, limits=limits, shortlist=ours.shortlist is not None)
         medians = {}
         for n, schema in fields.items():
-            engine.classify("warm-up", schema, rule=rule)
-            branch = engine.plan(schema, rule=rule).branch_tokens
-            seconds = []
+            ours.classify("warm-up", schema, rule=rule)
+            plan = ours.plan(schema, rule=rule)
+            seconds, calls = [], []
             for row in rows:
                 started = time.perf_counter()
-                engine.classify(row["text"], schema, rule=rule)
+                result = ours.classify(row["text"], schema, rule=rule)
                 seconds.append(time.perf_counter() - started)
-            medians[n] = {"ms": 1000 * statistics.median(seconds), "branch_tokens": branch}
+                calls.append(result.diagnostics.forward_calls)
+            medians[n] = {
+                "ms": 1000 * statistics.median(seconds),
+                "branch_tokens": plan.branch_tokens,
+                "rule": plan.scored_decisions[0].rule_name,
+                "calls": statistics.fmean(calls),
+            }
         per_value = {n: (medians[n]["ms"] - medians[2]["ms"]) / (n - 2) for n in medians if n > 2}
         out[name] = {"values": medians, "ms_per_value": per_value}
         print(f"[many values] {name}: {out[name]}", file=sys.stderr, flush=True)
@@ -223,12 +253,24 @@ def many_values(engine: PCDEngine, limit: int, rules: list[str]) -> dict[str, An
 
 
 def print_many(results: dict[str, Any]) -> None:
-    print("\n## one field of N values: warm median ms (branch tokens), ms per value beyond 2")
-    print("| rule | N=2 | N=77 | N=300 | ms/value (77) | ms/value (300) |\n|---|---:|---:|---:|---:|---:|")
-    for rule, r in results.items():
-        cells = [f"{r['values'][n]['ms']:.0f} ({r['values'][n]['branch_tokens']})" for n in (2, 77, 300)]
-        cells += [f"{r['ms_per_value'][n]:.2f}" for n in (77, 300)]
-        print(f"| {rule} | " + " | ".join(cells) + " |")
+    print(
+        "\n## one field of N values: warm median ms (first-pass branch tokens, forward calls), ms per value"
+    )
+    print(
+        "| ours | "
+        + " | ".join(f"N={n}" for n in SIZES)
+        + " | "
+        + " | ".join(f"ms/value ({n})" for n in SIZES[1:])
+        + " |"
+    )
+    print("|---|" + "---:|" * (2 * len(SIZES) - 1))
+    for label, r in results.items():
+        cells = [
+            f"{r['values'][n]['ms']:.0f} ({r['values'][n]['branch_tokens']}, {r['values'][n]['calls']:.0f})"
+            for n in SIZES
+        ]
+        cells += [f"{r['ms_per_value'][n]:.2f}" for n in SIZES[1:]]
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def throughput(engine: PCDEngine, count: int, sizes: list[int]) -> dict[int, float]:
@@ -351,6 +393,7 @@ def main() -> None:
     )
     parser.add_argument("--llamacpp", action="store_true", help="add llama.cpp JSON (the [bench] extra)")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads")
+    parser.add_argument("--bf16", action="store_true", help="add the default on a bf16 copy of the weights")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -369,7 +412,7 @@ def main() -> None:
         report["llamacpp"] = describe(llama)
     if "latency" not in args.skip:
         for name in AR_TOKENS:
-            report[name] = latency(engine, name, args.limit, args.greedy_limit, llama)
+            report[name] = latency(engine, name, args.limit, args.greedy_limit, llama, args.bf16)
             print_latency(name, report[name])
     if "breakdown" not in args.skip:
         for name in AR_TOKENS:
@@ -378,8 +421,7 @@ def main() -> None:
             )
             print_breakdown(name, report[f"breakdown {name}"])
     if "many" not in args.skip:
-        rules = ["option-cc", "option-unique-cc", "greedy-cc", "greedy-cc, whole trees"]
-        report["many values"] = many_values(engine, args.limit, rules)
+        report["many values"] = many_values(engine, args.limit, args.bf16)
         print_many(report["many values"])
     if "throughput" not in args.skip:
         report["throughput"] = throughput(engine, args.batch_texts, args.batch_sizes)
