@@ -140,6 +140,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         self.shortlist = shortlist or None
         self._plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording, self.shortlist)
         self.precision_check: precision.SelfCheck | None = None
+        precision.warn_if_emulated(self.runner.dtype, self.runner.device)
         if self_check and self.runner.dtype != torch.float32:
             probe = self.plan(precision.ProbeTicket, rule="option", allow_generation=False)
             self.precision_check = precision.self_check(self.runner, self.prompt, probe)

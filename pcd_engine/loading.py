@@ -22,18 +22,34 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    """FP32 unless asked otherwise: lower precision must earn its place (see docs/design)."""
+def native_bf16(device: str | torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices natively: a CUDA GPU with bf16, or a CPU with
+    AVX512-BF16 or AMX tiles. Elsewhere PyTorch computes bf16 products through FP32, slower than
+    FP32 itself."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's own CPUID checks
+    return any(bool(getattr(torch.cpu, probe, lambda: False)()) for probe in probes)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """FP32 unless asked otherwise: lower precision must earn its place (see docs/design). "auto" is
+    bfloat16 where `device` computes it natively (`native_bf16`), float32 elsewhere."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if native_bf16(resolve_device(device)) else torch.float32
     try:
         value = getattr(torch, dtype)
     except AttributeError:
         value = None
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype={dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16') or 'auto'")
     return value
 
 
@@ -79,7 +95,7 @@ def load_model_and_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **common)
         model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=resolve_dtype(dtype), **common, **model_kwargs
+            str(folder), dtype=resolve_dtype(dtype, device), **common, **model_kwargs
         )
     except OSError as error:
         raise ModelLoadError(f"could not load a model from {folder}: {error}") from error
@@ -156,7 +172,7 @@ def load_with_reference(
 ) -> tuple[Any, Any, Any]:
     """(model, tokenizer, FP32 reference or None). With `fp32_reference` and a `dtype` below float32,
     the weights are loaded in float32, kept as the reference, and copied into `dtype` for the work."""
-    wanted = resolve_dtype(dtype)
+    wanted = resolve_dtype(dtype, device)
     keep_fp32 = fp32_reference and wanted != torch.float32
     model, tokenizer = load_model_and_tokenizer(
         name_or_path,

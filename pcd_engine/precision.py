@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from pcd_engine import shortlist
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import PrefixCache
 from pcd_engine.decisions import decide_field
+from pcd_engine.loading import native_bf16
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, elapsed_ms
@@ -103,6 +105,16 @@ def self_check(runner: BranchRunner, prompt: ChatPrompt, plan: SchemaPlan) -> Se
         worst = float("inf")
     dtype = str(runner.dtype).removeprefix("torch.")
     return SelfCheck(dtype, worst, TOLERANCE.get(runner.dtype, 0.5), agree, count)
+
+
+def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
+    """A warning where bf16 weights run on a device without native bf16 matrix products."""
+    if dtype == torch.bfloat16 and not native_bf16(device):
+        warnings.warn(
+            f"this {device.type} has no native bf16 matrix products (AVX512-BF16 or AMX on a CPU): "
+            "bf16 is computed through float32 here, slower than float32 itself",
+            stacklevel=3,
+        )
 
 
 class FP32Rescorer:

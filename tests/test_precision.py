@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -90,3 +91,21 @@ def test_from_pretrained_keeps_an_fp32_reference_beside_the_bf16_copy(tmp_path, 
     assert engine.precision_check is not None and engine.precision_check.passed
     plain = PCDEngine.from_pretrained(tmp_path, device="cpu", dtype="bfloat16")
     assert plain.rescorer is None and plain.runner.dtype == torch.bfloat16
+
+
+def test_auto_dtype_and_the_warning_follow_the_cpus_native_bf16(tiny_tokenizer, bf16_model, monkeypatch):
+    from pcd_engine import loading
+
+    for native in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert loading.native_bf16("cpu") is native
+        assert loading.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            PCDEngine(bf16_model, tiny_tokenizer, self_check=False)
+        emulated = [w for w in seen if "no native bf16" in str(w.message)]
+        assert len(emulated) == (0 if native else 1)
+    assert loading.resolve_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(ValueError, match="or 'auto'"):
+        loading.resolve_dtype("fast", "cpu")
