@@ -41,6 +41,7 @@ from pcd_engine.results import (
 )
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
+from pcd_engine.shortlist import ShortlistPolicy
 from pcd_engine.suggestions import LabelSuggestions, Suggestion
 from pcd_engine.tool_calls import ToolCaller, ToolCallResult
 from pcd_engine.tools import TOOL_CHOICES, Tool, ToolChoice, as_tools
@@ -90,6 +91,7 @@ __all__ = [
     "SchemaLimitError",
     "SchemaPlan",
     "SelfCheck",
+    "ShortlistPolicy",
     "StructuredOutputError",
     "Suggestion",
     "TokenLogprob",

@@ -85,7 +85,9 @@ class PCDEngine(LearningMixin, ChatMixin):
     of refusing them with InputError), `text_framing` ("turn": the text is the whole user message;
     "data": between `<text>` delimiters, with a system sentence saying it is data, not instructions;
     "sandwich": "data" with the task restated after the text; docs/benchmarks.md measures the three
-    against injected text)."""
+    against injected text), `shortlist` (True: many-valued fields scored on cut trees first and their
+    best values whole in a second call where `ShortlistPolicy.for_device` says it pays; a
+    `ShortlistPolicy`; False: whole trees in one call)."""
 
     def __init__(
         self,
