@@ -44,3 +44,20 @@ def test_bf16_on_cuda_passes_the_self_check_and_rescoring_restores_fp32(tiny_tok
     assert mixed.precision_check is not None and mixed.precision_check.passed
     fp32 = PCDEngine(cuda_model, tiny_tokenizer)
     assert_same_scores(mixed.classify_batch(TEXTS, Wide), [fp32.classify(t, Wide) for t in TEXTS])
+
+
+def test_a_gpu_request_keeps_one_forward_call_on_a_many_valued_field(tiny_tokenizer, cuda_model):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    values = tuple(f"{w}_{k}_request" for w in ("billing", "bug", "refund", "parcel") for k in range(20))
+
+    class Routing(BaseModel):
+        queue: Literal[values]  # type: ignore[valid-type]
+
+    engine = PCDEngine(cuda_model, tiny_tokenizer)  # the default shortlist policy, for CUDA
+    assert engine.shortlist is not None and engine.shortlist.call_cost == 4096
+    assert not engine.plan(Routing).shortlisted
+    engine.classify(TEXT, Routing)
+    assert engine.classify(TEXTS[0], Routing).diagnostics.forward_calls == 1
