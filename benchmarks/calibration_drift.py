@@ -155,7 +155,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sets", nargs="+", default=["bitext_customer_support", "banking77"])
-    parser.add_argument("--counts", type=int, nargs="+", default=[50, 200])
+    parser.add_argument("--counts", type=int, nargs="*", default=[50, 200], help="none: uncalibrated only")
     parser.add_argument("--draws", type=int, default=3, help="label draws per count below the whole pool")
     parser.add_argument("--cache", default="out/labels-cache", help="benchmarks/labels.py's scored rows")
     parser.add_argument(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import AbstentionError, Calibration, CalibrationError, PCDEngine, metrics
+from pcd_engine import DEFAULT_RULE, AbstentionError, Calibration, CalibrationError, PCDEngine, metrics
 from pcd_engine.fitting import (
     LOG_LOSS_TIE,
     decision_labels,
@@ -182,7 +182,8 @@ def test_a_calibration_is_refused_for_another_schema_rule_model_or_prompt(engine
         engine.classify(TEXTS[0], Tagged, calibration=cal)
     with pytest.raises(CalibrationError, match="another schema or prompt"):
         engine.classify(TEXTS[0], Ticket, calibration=cal, instructions="Label the ticket.")
-    with pytest.raises(CalibrationError, match=r"'option', but the calibration was fitted with 'option-cc'"):
+    fitted_with = f"'option', but the calibration was fitted with '{DEFAULT_RULE}'"
+    with pytest.raises(CalibrationError, match=fitted_with):
         engine.classify(TEXTS[0], Ticket, calibration=cal, rule="option")
     other = PCDEngine(tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer)
     with pytest.raises(CalibrationError, match="fitted on model"):

@@ -36,10 +36,14 @@ def engine(tiny_model, tiny_tokenizer):
     return PCDEngine(tiny_model, tiny_tokenizer, rule="option")
 
 
-def test_default_rule_is_option_with_contextual_calibration(tiny_model, tiny_tokenizer):
+def test_default_rule_is_option_with_contextual_calibration_and_bools_cut(tiny_model, tiny_tokenizer):
     engine = PCDEngine(tiny_model, tiny_tokenizer)
     first, second = engine.classify("text", Ticket), engine.classify("text", Ticket)
-    assert first.fields["topic"].rule == "option-cc"
+    assert first.fields["topic"].rule == first.fields["urgent"].rule == "option-boolcut-cc"
+    topic, urgent, _ = engine.plan(Ticket).trees  # strings whole, yes/no cut after their word
+    whole = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc").plan(Ticket).trees
+    assert topic.paths == whole[0].paths
+    assert [len(p) for p in urgent.paths] == [1, 1] < [len(p) for p in whole[1].paths]
     assert first.diagnostics.forward_calls == 2 + 3  # head, request, three content-free priors
     assert second.diagnostics.forward_calls == 1
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import Calibration, CalibrationError, FieldHead, PCDEngine, metrics
+from pcd_engine import DEFAULT_RULE, Calibration, CalibrationError, FieldHead, PCDEngine, metrics
 from pcd_engine.calibration import FieldCalibration, weights_path
 from pcd_engine.fitting import (
     METHODS,
@@ -270,7 +270,7 @@ def test_heads_round_trip_through_safetensors_and_refuse_changed_weights(engine,
     # the checks of any calibration still hold: another schema, prompt, rule or model is refused
     with pytest.raises(CalibrationError, match="another schema or prompt"):
         engine.classify(TEXTS[0], Ticket, calibration=cal, instructions="Label it.")
-    with pytest.raises(CalibrationError, match="fitted with 'option-cc'"):
+    with pytest.raises(CalibrationError, match=f"fitted with '{DEFAULT_RULE}'"):
         engine.classify(TEXTS[0], Ticket, calibration=cal, rule="option")
     from tests.helpers import tiny_llama
 

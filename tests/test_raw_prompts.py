@@ -69,7 +69,7 @@ def test_a_bare_value_follows_the_prompt_with_no_branch_text(engine):
     assert engine.tokenizer.decode(json_plan.trees[0].chain).startswith('{"sentiment": ')
     assert plan.fingerprint != engine.plan(Choice).fingerprint
     # no content-free prior after a wording that is the caller's: option-cc's base rule applies
-    assert engine.rule.name == "option-cc" and {
+    assert engine.rule.name == "option-boolcut-cc" and {
         d.rule.name for d in (*plan.decisions, *json_plan.decisions)
     } == {"option"}
     assert engine.classify(RawPrompt(REVIEW_PROMPTS[0], "value"), Choice).fields["choice"].rule == "option"

@@ -7,13 +7,14 @@ tree is much smaller than its whole tree and the CPU policy shortlists it.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Literal
 
 import pytest
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import CalibrationError, PCDEngine
+from pcd_engine import DEFAULT_RULE, CalibrationError, PCDEngine
 from pcd_engine.branches import build_tree, cut_tree, rows_in, sub_tree
 from pcd_engine.precision import separate_logprobs
 from pcd_engine.runner import PassStats
@@ -45,9 +46,9 @@ def test_the_cpu_policy_shortlists_the_many_valued_field_only(engines):
     shortlisted, whole = engines
     plan = shortlisted.plan(Routing)
     queue, urgent = plan.scored_decisions
-    assert queue.whole is not None and queue.keep == 8 and queue.rule_name == "option-cc+top8"
+    assert queue.whole is not None and queue.keep == 8 and queue.rule_name == f"{DEFAULT_RULE}+top8"
     assert len(queue.tree.tokens) < len(queue.whole.tokens) // 2  # the first pass feeds the cut tree
-    assert urgent.whole is None and urgent.rule_name == "option-cc"
+    assert urgent.whole is None and urgent.rule_name == DEFAULT_RULE
     assert not shortlisted.plan(Small).shortlisted
     assert not whole.plan(Routing).shortlisted
     # a GPU counts a forward call as thousands of tokens: this field is not worth a second call
@@ -92,7 +93,7 @@ def test_shortlisted_values_are_scored_exactly_and_the_answer_is_one_of_them(eng
     for text in TEXTS:
         got, want = shortlisted.classify(text, Routing), whole.classify(text, Routing)
         field, reference = got.fields["queue"], want.fields["queue"]
-        assert field.rule == "option-cc+top8" and reference.rule == "option-cc"
+        assert field.rule == f"{DEFAULT_RULE}+top8" and reference.rule == DEFAULT_RULE
         first = shortlisted.plan(Routing)  # the values the second pass scored: the exact ones
         exact = [v for v in VALUES if abs(field.log_scores[v] - reference.log_scores[v]) < 1e-4]
         assert len(exact) >= first.scored_decisions[0].keep
@@ -117,9 +118,9 @@ def test_a_batch_equals_one_by_one_with_a_shortlist(engines):
 def test_a_calibration_knows_whether_it_was_fitted_with_a_shortlist(engines):
     shortlisted, whole = engines
     calibration = shortlisted.calibrate(Routing, TEXTS, method="batch")
-    assert calibration.rules["queue"] == "option-cc+top8"
+    assert calibration.rules["queue"] == f"{DEFAULT_RULE}+top8"
     shortlisted.classify(TEXTS[0], Routing, calibration=calibration)
-    with pytest.raises(CalibrationError, match="option-cc\\+top8"):
+    with pytest.raises(CalibrationError, match=re.escape(f"{DEFAULT_RULE}+top8")):
         whole.classify(TEXTS[0], Routing, calibration=calibration)
 
 
@@ -129,6 +130,6 @@ def test_fp32_rescoring_of_a_shortlisted_field_gives_the_fp32_answer(engines):
     mixed = PCDEngine(bf16, shortlisted.tokenizer, reference_model=shortlisted.model, rescore_margin=1.0)
     for text in TEXTS[:3]:
         got, want = mixed.classify(text, Routing), shortlisted.classify(text, Routing)
-        assert got.fields["queue"].rescored and got.fields["queue"].rule == "option-cc+top8"
+        assert got.fields["queue"].rescored and got.fields["queue"].rule == f"{DEFAULT_RULE}+top8"
         assert got.fields["queue"].value == want.fields["queue"].value
         assert got.fields["queue"].log_scores == pytest.approx(want.fields["queue"].log_scores, abs=1e-4)
