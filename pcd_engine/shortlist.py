@@ -69,7 +69,9 @@ class ShortlistPolicy:
 
     def shortlisted(self, plans: Sequence[DecisionPlan]) -> list[bool]:
         """Per decision, whether the plan scores it in two passes."""
-        savings = [self.saving(dp.tree) if eligible(dp, self.size) else 0 for dp in plans]
+        savings = [
+            self.saving(dp.tree) if dp.tree is not None and eligible(dp, self.size) else 0 for dp in plans
+        ]
         worth = [s > 0 for s in savings]
         total = sum(s for s, w in zip(savings, worth, strict=True) if w)
         return worth if total > self.call_cost + self.prompt_tokens else [False] * len(plans)
