@@ -68,11 +68,12 @@ def test_a_bare_value_follows_the_prompt_with_no_branch_text(engine):
     json_plan = engine.plan(Sentiment, layout="raw")
     assert engine.tokenizer.decode(json_plan.trees[0].chain).startswith('{"sentiment": ')
     assert plan.fingerprint != engine.plan(Choice).fingerprint
-    # no content-free prior after a wording that is the caller's: option-cc's base rule applies
+    # no content-free prior after a wording that is the caller's: the default's base rule applies
     assert engine.rule.name == "option-boolcut-cc" and {
         d.rule.name for d in (*plan.decisions, *json_plan.decisions)
-    } == {"option"}
-    assert engine.classify(RawPrompt(REVIEW_PROMPTS[0], "value"), Choice).fields["choice"].rule == "option"
+    } == {"option-boolcut"}
+    value = engine.classify(RawPrompt(REVIEW_PROMPTS[0], "value"), Choice)
+    assert value.fields["choice"].rule == "option-boolcut"
 
 
 def test_values_end_with_the_end_of_text_token_only_where_one_begins_another(engine):
