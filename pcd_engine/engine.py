@@ -25,7 +25,7 @@ from typing import Any, TypeVar, overload
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import calibration, fitting, precision, shortlist
+from pcd_engine import calibration, comparison, fitting, precision
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import Calibration
 from pcd_engine.chat import ChatMixin, stop_ids
@@ -85,9 +85,8 @@ class PCDEngine(LearningMixin, ChatMixin):
     of refusing them with InputError), `text_framing` ("turn": the text is the whole user message;
     "data": between `<text>` delimiters, with a system sentence saying it is data, not instructions;
     "sandwich": "data" with the task restated after the text; docs/benchmarks.md measures the three
-    against injected text), `shortlist` (True: many-valued fields scored on cut trees first and their
-    best values whole in a second call where `ShortlistPolicy.for_device` says it pays; a
-    `ShortlistPolicy`; False: whole trees in one call)."""
+    against injected text), `shortlist` (True: `ShortlistPolicy.for_device`, a `ShortlistPolicy`, or
+    False: many-valued fields on cut trees first, their best values whole in a second call)."""
 
     def __init__(
         self,
@@ -137,9 +136,8 @@ class PCDEngine(LearningMixin, ChatMixin):
             self.rescorer = precision.FP32Rescorer(
                 reference_model, rescore_margin, budget, cached, self.prompt
             )
-        if shortlist is True:
-            shortlist = ShortlistPolicy.for_device(self.runner.device)
-        self.shortlist = shortlist or None
+        policy = ShortlistPolicy.for_device(self.runner.device) if shortlist is True else shortlist
+        self.shortlist = policy or None
         self._plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording, self.shortlist)
         self.precision_check: precision.SelfCheck | None = None
         precision.warn_if_emulated(self.runner.dtype, self.runner.device)
@@ -337,10 +335,7 @@ class PCDEngine(LearningMixin, ChatMixin):
     @property
     def precision(self) -> str:
         """How scores are computed: the weights' dtype, and FP32 re-scoring of close calls if any."""
-        dtype = str(self.runner.dtype).removeprefix("torch.")
-        if self.rescorer is None:
-            return dtype
-        return f"{dtype}, fp32 re-scoring below {self.rescorer.margin:g}"
+        return precision.describe(self.runner.dtype, self.rescorer)
 
     def compare_rules(
         self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")
@@ -349,23 +344,8 @@ class PCDEngine(LearningMixin, ChatMixin):
         chosen = [get_rule(r) for r in rules]
         if len({layout(r) for r in chosen}) > 1:
             raise ValueError("these rules read different trees (codes, cut or not); compare them separately")
-        started = time.perf_counter()
         plan = self.plan(schema, rule=chosen[0], allow_generation=False, shortlisted=False)
-        shared = Request.render(self.prompt, plan, text, self.limits, None, self.allow_empty_text)
-        normalized = [any(r.needs_normalizer for r in chosen)] * len(plan.trees)
-        (logprobs,) = self.scorer.score(plan, [shared.prompt.ids], [shared.stats], normalized=normalized)
-        wanted = any(r.corrects_prior for r in chosen)
-        priors = self.scorer.priors(plan, shared.stats, normalized) if wanted else None
-        out: dict[str, PCDResult[T]] = {}
-        for r in chosen:
-            request = Request(text, shared.prompt, started, plan.branch_tokens, stats=shared.stats)
-            request.fields = decide(plan, logprobs, priors, r)
-            request.validate_closed(plan)
-            result = request.result(lambda value: value)
-            if isinstance(result, PCDError):
-                raise result
-            out[r.name] = result
-        return out
+        return comparison.compare_rules(self.scorer, plan, text, chosen, self.limits, self.allow_empty_text)
 
     def _run(
         self,
@@ -463,8 +443,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         priors = self.scorer.priors(plan, stats[0]) if wanted else None
         for k, (request, logprobs) in enumerate(zip(requests, runs, strict=True)):
             request.fields = decide(plan, logprobs, priors)
-            if plan.shortlisted:  # the shortlisted fields' best values, scored whole
-                shortlist.finish(self.scorer, plan, request.prompt.ids, request.fields, request.stats, priors)
+            self.scorer.finish_shortlists(plan, request.prompt.ids, request.fields, request.stats, priors)
             if capture is not None:
                 request.hidden = capture[k].states()
             request.timings["forward"] = (scored - began) * 1e3 / len(requests)

@@ -13,14 +13,14 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
 import torch
 
 from pcd_engine import packing, shortlist
-from pcd_engine.branches import TokenizationError, TokenTree, build_tree, rows_in
+from pcd_engine.branches import TokenizationError, TokenTree, build_tree, cut_tree, rows_in
 from pcd_engine.errors import InputError, SchemaLimitError, UnsupportedSchemaError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
 from pcd_engine.layout import (
@@ -212,7 +212,7 @@ def build_plan(
         head = prompt.render_head(system, examples, tools)
     else:
         head, tools = prompt.render_head(system, examples), ()
-    decisions = shortlist.apply(plans, policy)
+    decisions = _shortlisted(plans, policy)
     return SchemaPlan(compiled, system, head, decisions, schema, examples, wording, tools)
 
 
@@ -264,8 +264,21 @@ def _raw_plan(
     schema = None
     if compiled.open_fields:
         schema = capped(model_schema(compiled.schema), limits.max_string_length, limits.max_list_items)
-    decisions = shortlist.apply(plans, policy)
+    decisions = _shortlisted(plans, policy)
     return SchemaPlan(compiled, "", prompt.raw_head, decisions, schema, (), wording, (), layout)
+
+
+def _shortlisted(
+    plans: list[DecisionPlan], policy: shortlist.ShortlistPolicy | None
+) -> tuple[DecisionPlan, ...]:
+    """The decisions with their first-pass (cut) trees where the policy shortlists them."""
+    if policy is None:
+        return tuple(plans)
+    chosen = policy.shortlisted([(dp.rule, dp.tree) for dp in plans])
+    return tuple(
+        replace(dp, tree=cut_tree(dp.tree), whole=dp.tree, keep=policy.size) if pick and dp.tree else dp
+        for dp, pick in zip(plans, chosen, strict=True)
+    )
 
 
 def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:

@@ -31,7 +31,6 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import shortlist
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import PrefixCache
 from pcd_engine.decisions import decide_field
@@ -117,6 +116,12 @@ def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> None:
         )
 
 
+def describe(dtype: torch.dtype, rescorer: FP32Rescorer | None) -> str:
+    """How an engine computes its scores: the dtype, and FP32 re-scoring below a margin if any."""
+    name = str(dtype).removeprefix("torch.")
+    return name if rescorer is None else f"{name}, fp32 re-scoring below {rescorer.margin:g}"
+
+
 class FP32Rescorer:
     """Scores close calls again on an FP32 copy of the weights (its own runner and prefix cache)."""
 
@@ -154,7 +159,7 @@ class FP32Rescorer:
             dp = scored[k]
             prior = priors[k] if priors is not None else None
             fields[dp.decision.path] = decide_field(dp, lp, prior, dp.rule)
-        shortlist.finish(self.scorer, plan, request.prompt.ids, fields, stats, priors, among=low)
+        self.scorer.finish_shortlists(plan, request.prompt.ids, fields, stats, priors, among=low)
         for path, result in fields.items():
             request.fields[path] = dataclasses.replace(result, rescored=True)
         self.rescored_fields += len(low)

@@ -15,16 +15,18 @@ The priors are the log of the mean probability the trees get for content-free te
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
-from pcd_engine.branches import TokenTree
+from pcd_engine import shortlist
+from pcd_engine.branches import TokenTree, rows_in, sub_tree
 from pcd_engine.cache import PrefixCache
 from pcd_engine.hidden import HiddenCapture
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
+from pcd_engine.results import FieldResult
 from pcd_engine.runner import BranchRunner, PassStats
 
 CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
@@ -105,6 +107,36 @@ class Scorer:
         """Log-probs (normalised) of other trees than the plan's after one of its prompts (a
         shortlist's second pass), on the cached head."""
         return self._alone(prompt_ids, trees, stats, len(plan.head), [True] * len(trees))
+
+    def finish_shortlists(
+        self,
+        plan: SchemaPlan,
+        prompt_ids: Sequence[int],
+        fields: dict[str, FieldResult],
+        stats: PassStats,
+        priors: Sequence[torch.Tensor] | None,
+        among: Collection[int] | None = None,
+    ) -> None:
+        """A shortlist's second pass for one request (shortlist.py): its shortlisted decisions (those
+        numbered `among` in `plan.scored_decisions`, default all) scored exactly on their best
+        values in one call; `fields` (first-pass results) are replaced in place. `priors` are per
+        whole tree (`priors`)."""
+        todo = [
+            (k, dp)
+            for k, dp in enumerate(plan.scored_decisions)
+            if dp.whole is not None and (among is None or k in among)
+        ]
+        picks = [shortlist.best(fields[dp.decision.path], dp.keep) for _, dp in todo]
+        trees = [sub_tree(dp.whole, pick) for (_, dp), pick in zip(todo, picks, strict=True) if dp.whole]
+        runs = self.score_trees(plan, prompt_ids, trees, stats) if trees else []
+        for (k, dp), pick, tree, logprobs in zip(todo, picks, trees, runs, strict=True):
+            assert dp.whole is not None
+            if dp.rule.corrects_prior and priors is not None:
+                rows, columns = rows_in(tree, dp.whole)
+                logprobs = logprobs - priors[k][rows][:, columns]
+            exact = dp.rule.score(tree, logprobs).log_scores
+            path = dp.decision.path
+            fields[path] = shortlist.combined(fields[path], pick, exact, dp.rule_name)
 
     def head_kv(self, prompt_ids: Sequence[int], head_len: int, stats: PassStats) -> tuple[Any, int]:
         """(private KV, length) of the longest cached prefix of the prompt; on a miss, the first

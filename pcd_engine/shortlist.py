@@ -2,10 +2,10 @@
 
 A field with many values (banking77's 77 intents: 387 tokens to feed and project whole) is scored in
 two passes on the same prompt. The first pass reads each value's tree cut at its distinguishing token
-(52 tokens). The second scores the whole continuations of the `size` values the first pass ranks
-best, exactly: a sub-tree with the same chain (`branches.sub_tree`), so each of its tokens has the
-same tokens before it as in the whole tree and the same log-prob, and these values get the scores
-the whole tree would give them. The answer is always one of them.
+(52 tokens). The second (`Scorer.finish_shortlists`) scores the whole continuations of the `size`
+values the first pass ranks best, exactly: a sub-tree with the same chain (`branches.sub_tree`), so
+each of its tokens has the same tokens before it as in the whole tree and the same log-prob, and
+these values get the scores the whole tree would give them. The answer is always one of them.
 
 A value outside the shortlist keeps a score, so that probabilities, heads, calibration and abstention
 see every value: its first-pass score plus the shortlisted values' mean tail (whole score minus
@@ -26,20 +26,15 @@ call only where the whole trees are far larger than that.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pcd_engine.branches import TokenTree, cut_tree, rows_in, sub_tree
+from pcd_engine.branches import TokenTree, cut_tree
 from pcd_engine.results import FieldResult
-from pcd_engine.runner import PassStats
-from pcd_engine.scoring import ContextualCalibration, OptionRule, from_scores
-
-if TYPE_CHECKING:
-    from pcd_engine.plan import DecisionPlan, SchemaPlan
-    from pcd_engine.scorer import Scorer
+from pcd_engine.scoring import ContextualCalibration, OptionRule, Rule, from_scores
 
 
 @dataclass(frozen=True)
@@ -67,64 +62,23 @@ class ShortlistPolicy:
         second = len(whole.chain) + sum(lengths[: self.size])  # at most this many fed in the second pass
         return len(whole.tokens) - len(cut_tree(whole).tokens) - second
 
-    def shortlisted(self, plans: Sequence[DecisionPlan]) -> list[bool]:
-        """Per decision, whether the plan scores it in two passes."""
+    def shortlisted(self, decisions: Sequence[tuple[Rule, TokenTree | None]]) -> list[bool]:
+        """Per decision (its rule and whole tree), whether the plan scores it in two passes."""
         savings = [
-            self.saving(dp.tree) if dp.tree is not None and eligible(dp, self.size) else 0 for dp in plans
+            self.saving(tree) if tree is not None and eligible(rule, tree, self.size) else 0
+            for rule, tree in decisions
         ]
         worth = [s > 0 for s in savings]
         total = sum(s for s, w in zip(savings, worth, strict=True) if w)
-        return worth if total > self.call_cost + self.prompt_tokens else [False] * len(plans)
+        return worth if total > self.call_cost + self.prompt_tokens else [False] * len(decisions)
 
 
-def eligible(dp: DecisionPlan, size: int) -> bool:
+def eligible(rule: Rule, tree: TokenTree, size: int) -> bool:
     """A decision scored by a sum of log-probs over whole trees, with more values than the list."""
-    rule: Any = dp.rule
-    base = rule.base if isinstance(rule, ContextualCalibration) else rule
+    used: Any = rule
+    base = used.base if isinstance(used, ContextualCalibration) else used
     whole = isinstance(base, OptionRule) and base.normalize == "sum" and not base.until_unique
-    return dp.tree is not None and whole and len(dp.tree.paths) > size
-
-
-def apply(plans: Sequence[DecisionPlan], policy: ShortlistPolicy | None) -> tuple[DecisionPlan, ...]:
-    """The decisions with their first-pass (cut) trees where the policy shortlists them."""
-    if policy is None:
-        return tuple(plans)
-    chosen = policy.shortlisted(plans)
-    return tuple(
-        replace(dp, tree=cut_tree(dp.tree), whole=dp.tree, keep=policy.size) if pick and dp.tree else dp
-        for dp, pick in zip(plans, chosen, strict=True)
-    )
-
-
-def finish(
-    scorer: Scorer,
-    plan: SchemaPlan,
-    prompt_ids: Sequence[int],
-    fields: dict[str, FieldResult],
-    stats: PassStats,
-    priors: Sequence[torch.Tensor] | None,
-    among: Collection[int] | None = None,
-) -> None:
-    """The second pass of one request: its shortlisted decisions (those numbered `among` in
-    `plan.scored_decisions`, default all) scored exactly on their best values, in one forward call;
-    `fields` (first-pass results) are replaced in place. `priors` are per whole tree."""
-    todo = [
-        (k, dp)
-        for k, dp in enumerate(plan.scored_decisions)
-        if dp.whole is not None and (among is None or k in among)
-    ]
-    if not todo:
-        return
-    picks = [best(fields[dp.decision.path], dp.keep) for _, dp in todo]
-    trees = [sub_tree(dp.whole, pick) for (_, dp), pick in zip(todo, picks, strict=True) if dp.whole]
-    runs = scorer.score_trees(plan, prompt_ids, trees, stats)
-    for (k, dp), pick, tree, logprobs in zip(todo, picks, trees, runs, strict=True):
-        assert dp.whole is not None
-        if dp.rule.corrects_prior and priors is not None:
-            rows, columns = rows_in(tree, dp.whole)
-            logprobs = logprobs - priors[k][rows][:, columns]
-        exact = dp.rule.score(tree, logprobs).log_scores
-        fields[dp.decision.path] = combined(dp, fields[dp.decision.path], pick, exact)
+    return whole and len(tree.paths) > size
 
 
 def best(first: FieldResult, size: int) -> list[int]:
@@ -133,9 +87,7 @@ def best(first: FieldResult, size: int) -> list[int]:
     return sorted(range(len(scores)), key=lambda c: -scores[c])[:size]
 
 
-def combined(
-    dp: DecisionPlan, first: FieldResult, picks: Sequence[int], exact: Sequence[float]
-) -> FieldResult:
+def combined(first: FieldResult, picks: Sequence[int], exact: Sequence[float], rule: str) -> FieldResult:
     """Every value's score: exact for the shortlist, estimated for the rest (see the module)."""
     before = list(first.log_scores.values())
     tail = statistics.fmean(e - before[c] for c, e in zip(picks, exact, strict=True))
@@ -145,5 +97,4 @@ def combined(
         scores[c] = e
     chosen = picks[max(range(len(exact)), key=exact.__getitem__)]
     result = from_scores(torch.tensor(scores, dtype=torch.float64), chosen)
-    values = [c.value for c in dp.decision.candidates]
-    return FieldResult.scored(dp.decision.path, values, result, dp.rule_name)
+    return FieldResult.scored(first.path, list(first.log_scores), result, rule)
