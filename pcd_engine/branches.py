@@ -48,6 +48,11 @@ class TokenTree:
     def column(self) -> dict[int, int]:
         return {token: j for j, token in enumerate(self.vocab)}
 
+    @cached_property
+    def fed_by_prefix(self) -> dict[tuple[int, ...], int]:
+        """The fed index after each run of tokens from the first fed one (() -> -1, the prompt's end)."""
+        return {(): -1, **{prefix: fed for fed, prefix in enumerate(_prefixes(self))}}
+
     @property
     def root(self) -> int:
         return len(self.chain) - 1
@@ -122,7 +127,7 @@ def rows_in(tree: TokenTree, whole: TokenTree) -> tuple[torch.Tensor, torch.Tens
     the row of `whole`'s scored log-probs with the same tokens before it, per scored row of `tree`,
     and the column of `whole.vocab` of each of `tree.vocab`; `whole_scores[rows][:, columns]` is
     then `tree`'s part of them (a content-free prior computed once on the whole tree)."""
-    where = {(): -1, **{prefix: fed for fed, prefix in enumerate(_prefixes(whole))}}
+    where = whole.fed_by_prefix
     own = _prefixes(tree)  # fed index -1 (an empty chain's root) is the prompt's last token: ()
     rows = [where[own[fed] if fed >= 0 else ()] - whole.root for fed in tree.scored]
     columns = [whole.column[token] for token in tree.vocab]

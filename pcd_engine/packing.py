@@ -26,6 +26,7 @@ packed length.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -48,7 +49,13 @@ class PackedInputs(NamedTuple):
 
 def forest(trees: Sequence[TokenTree]) -> tuple[list[int], list[tuple[int, ...]]]:
     """(the fed tokens' parents in the forest, -1 for the prompt; per tree its tokens' forest
-    indices): chain tokens fed by an earlier tree after the same tokens are shared."""
+    indices): chain tokens fed by an earlier tree after the same tokens are shared. Computed once per
+    tuple of trees (a plan's trees are the same objects on every request and every padded row)."""
+    return _forest(tuple(trees))
+
+
+@functools.lru_cache(maxsize=256)
+def _forest(trees: tuple[TokenTree, ...]) -> tuple[list[int], list[tuple[int, ...]]]:
     parents: list[int] = []
     chains: dict[tuple[int, int], int] = {}  # (parent, token) -> forest index, chain tokens only
     where = []
