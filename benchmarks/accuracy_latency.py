@@ -25,20 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.data import load_set
+from benchmarks.outcomes import Outcome, parse_object, prompt_ids
 from minicpm_pcd_adapters import load_smollm2
 from pcd_engine import PCDEngine
 
 SETS = {"bitext_customer_support": 128, "banking77": 40}  # name -> AR max_new_tokens
-
-
-class Outcome:
-    def __init__(self, seconds: float, value: dict[str, Any] | None, calls: int) -> None:
-        self.seconds, self.value, self.calls = seconds, value, calls
 
 
 def run_ours(
@@ -56,11 +52,6 @@ def run_ours(
         }
 
     return call
-
-
-def prompt_ids(engine: PCDEngine, schema: type[BaseModel], text: str) -> list[int]:
-    plan = engine.plan(schema)
-    return [*plan.head, *engine.prompt.encode_text(text), *engine.prompt.tail]
 
 
 def run_floor(engine: PCDEngine, schema: type[BaseModel]) -> Callable[[str], Outcome]:
@@ -103,17 +94,6 @@ def run_ar(
         return Outcome(seconds, parse_object(raw, schema), int(new.shape[0]))
 
     return call
-
-
-def parse_object(raw: str, schema: type[BaseModel]) -> dict[str, Any] | None:
-    start = raw.find("{")
-    if start < 0:
-        return None
-    try:
-        data, _ = json.JSONDecoder().raw_decode(raw[start:])
-        return schema.model_validate(data).model_dump()
-    except (json.JSONDecodeError, ValidationError):
-        return None
 
 
 def xgrammar_grammar(engine: PCDEngine, schema: type[BaseModel]) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from benchmarks.accuracy_latency import Outcome, parse_object, prompt_ids
+from benchmarks.outcomes import Outcome, parse_object, prompt_ids
 from minicpm_pcd_adapters.smollm2 import smollm2_gguf_path
 from pcd_engine import PCDEngine
 

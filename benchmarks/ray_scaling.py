@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.data import load_set
 from minicpm_pcd_adapters import load_smollm2
-from minicpm_pcd_adapters.ray_data import classify_dataset
+from minicpm_pcd_adapters.ray.data import classify_dataset
 
 SET = "bitext_customer_support"
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.labels import figures, scored_set
 from minicpm_pcd_adapters import load_smollm2
-from minicpm_pcd_adapters.server import create_app
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from minicpm_pcd_adapters.teacher import Teacher, TeacherLabel, label_texts
 from pcd_engine import PCDEngine
 from pcd_engine.fitting import decision_labels, fit

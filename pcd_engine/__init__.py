@@ -19,6 +19,7 @@ from pcd_engine.errors import (
     PrecisionCheckError,
     SchemaLimitError,
     StructuredOutputError,
+    TokenizationError,
     UnsupportedSchemaError,
 )
 from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate
@@ -27,7 +28,9 @@ from pcd_engine.grammars import GRAMMAR_KINDS, Grammar
 from pcd_engine.heads import FieldHead
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.manifest import MANIFEST_NAME, create_manifest, read_manifest, verify_manifest, write_manifest
+from pcd_engine.options import ClassifyOptions, PlanOptions
 from pcd_engine.output_types import OutputType, output_type, require_closed
+from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.precision import SelfCheck
 from pcd_engine.prompt import LAYOUTS, TEXT_FRAMINGS, Conversation, RawPrompt
@@ -39,8 +42,8 @@ from pcd_engine.results import (
     PCDResult,
     TokenLogprob,
 )
+from pcd_engine.rules import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
-from pcd_engine.scoring import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 from pcd_engine.shortlist import ShortlistPolicy
 from pcd_engine.suggestions import LabelSuggestions, Suggestion
 from pcd_engine.tool_calls import ToolCaller, ToolCallResult
@@ -57,6 +60,7 @@ __all__ = [
     "AbstentionError",
     "Calibration",
     "CalibrationError",
+    "ClassifyOptions",
     "CodeRule",
     "CompiledSchema",
     "ContextualCalibration",
@@ -83,6 +87,8 @@ __all__ = [
     "PCDEngine",
     "PCDError",
     "PCDResult",
+    "Pipeline",
+    "PlanOptions",
     "PrecisionCheckError",
     "PrefixCache",
     "RawPrompt",
@@ -95,6 +101,7 @@ __all__ = [
     "StructuredOutputError",
     "Suggestion",
     "TokenLogprob",
+    "TokenizationError",
     "Tool",
     "ToolCallResult",
     "ToolCaller",

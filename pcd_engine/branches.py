@@ -21,6 +21,8 @@ from functools import cached_property
 
 import torch
 
+from pcd_engine.errors import TokenizationError
+
 Encode = Callable[[str], list[int]]
 
 
@@ -73,10 +75,6 @@ class TokenTree:
                 if pred == node:
                     out[token] = path[k + 1][0] if k + 1 < len(path) else None
         return out
-
-
-class TokenizationError(RuntimeError):
-    """Candidates whose joint tokenizations are not prefix-free (should not happen with terminators)."""
 
 
 def build_tree(

@@ -83,10 +83,6 @@ class PrefixCache:
             self._entries.clear()
             self._bytes = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -12,20 +12,21 @@ from typing import Any
 
 from pcd_engine.decisions import decide
 from pcd_engine.errors import PCDError
+from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.request import Request
 from pcd_engine.results import PCDResult
-from pcd_engine.schema import Limits
-from pcd_engine.scorer import Scorer
-from pcd_engine.scoring import Rule
+from pcd_engine.rules import Rule
 
 
 def compare_rules(
-    scorer: Scorer, plan: SchemaPlan, text: str, rules: Sequence[Rule], limits: Limits, allow_empty: bool
+    pipeline: Pipeline, plan: SchemaPlan, text: str, rules: Sequence[Rule]
 ) -> dict[str, PCDResult[Any]]:
     """Per rule name, the result of `text` under that rule (the plan's trees read by every rule)."""
     started = time.perf_counter()
-    shared = Request.render(scorer.prompt, plan, text, limits, None, allow_empty)
+    (shared,) = pipeline.render(plan, [text], single=True)
+    assert isinstance(shared, Request)
+    scorer = pipeline.scorer
     normalized = [any(r.needs_normalizer for r in rules)] * len(plan.trees)
     (logprobs,) = scorer.score(plan, [shared.prompt.ids], [shared.stats], normalized=normalized)
     wanted = any(r.corrects_prior for r in rules)

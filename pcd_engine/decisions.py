@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 from pcd_engine.errors import StructuredOutputError
 from pcd_engine.plan import DecisionPlan, SchemaPlan
 from pcd_engine.results import FieldResult
+from pcd_engine.rules import Rule, tree_shape
 from pcd_engine.schema import JSONScalar
-from pcd_engine.scoring import Rule, layout
 
 
 def decide(
@@ -32,7 +32,7 @@ def decide(
     rule: Rule | None = None,
 ) -> dict[str, FieldResult]:
     """Every decision's FieldResult, keyed by path in plan order. `logprobs` (and `priors`) hold one
-    entry per tree; `rule` replaces each decision's own rule where both use the same layout (codes or
+    entry per tree; `rule` replaces each decision's own rule where both use the same tree shape (codes or
     not, cut at the distinguishing token or not)."""
     no_priors: list[torch.Tensor | None] = [None] * len(logprobs)
     per_tree = iter(zip(logprobs, priors or no_priors, strict=True))
@@ -41,7 +41,7 @@ def decide(
         if dp.tree is None:
             fields[dp.decision.path] = fixed_field(dp)
             continue
-        used = dp.rule if rule is None or layout(dp.rule) != layout(rule) else rule
+        used = dp.rule if rule is None or tree_shape(dp.rule) != tree_shape(rule) else rule
         scores, prior = next(per_tree)
         fields[dp.decision.path] = decide_field(dp, scores, prior, used)
     return fields

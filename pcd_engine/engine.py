@@ -1,50 +1,52 @@
 """PCDEngine: the request pipeline, wired from the modules that do the work.
 
-    plan (schema + tokenizer + rule + examples, cached) plan.py
-    1. render every input; a bad input fails here       request.py
-    2. score the closed fields in packed passes         scorer.py -> runner.py, decisions.py
-    3. re-score close calls in FP32                     precision.py
-    4. calibrate the scored fields, mark abstentions    calibration.py
-    5. validate the closed answer, or generate the      request.py / filling.py
+    plan (schema + tokenizer + rule + examples, cached)   pipeline.py -> plan.py
+    1. render every input; a bad input fails here         pipeline.py -> request.py
+    2. score the closed fields in packed passes           pipeline.py -> scorer.py, decisions.py
+    3. re-score close calls in FP32                       pipeline.py -> precision.py
+    4. calibrate the scored fields, mark abstentions      pipeline.py -> calibration.py
+    5. validate the closed answer, or generate the        request.py / filling.py
        open fields after the scored ones
-    6. one result or error per input, in order          request.py
+    6. one result or error per input, in order            request.py
 
-`generate` / `stream` are plain chat generation (chat.py, generate.py); `calibrate`, `score_fields`
-and `suggest_labels` learn from the user's texts (learning.py); `engine.tools` decides tool calls,
-the tool being one more scored field (tools.py, tool_calls.py).
+Phases 1 to 4 are the public methods of `engine.pipeline` (pipeline.py), which `_run` calls in
+order. `generate` / `stream` are plain chat generation on `engine.generator` (chat.py, generate.py);
+`calibrate`, `score_fields` and `suggest_labels` learn from the user's texts on `engine.pipeline`
+(learning.py); `engine.tools` decides tool calls, the tool being one more scored field (tools.py,
+tool_calls.py). The per-call options are declared once, in options.py.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any, TypeVar, overload
 
 import torch
 from pydantic import BaseModel
+from typing_extensions import Unpack
 
-from pcd_engine import calibration, comparison, fitting, precision
+from pcd_engine import comparison, precision
 from pcd_engine.cache import PrefixCache
-from pcd_engine.calibration import Calibration
+from pcd_engine.calibration import ModelIdentity
 from pcd_engine.chat import ChatMixin, stop_ids
-from pcd_engine.decisions import decide
 from pcd_engine.errors import CalibrationError, PCDError, PrecisionCheckError
 from pcd_engine.filling import JsonFiller
 from pcd_engine.generate import Generator, Sampling
-from pcd_engine.hidden import HiddenCapture
 from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
+from pcd_engine.options import ClassifyOptions, PlanOptions, RequestOptions
 from pcd_engine.output_types import output_type
+from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt, TextInput, input_layout
-from pcd_engine.request import Request, RequestOptions, elapsed_ms, example_turns, in_order, render_all
+from pcd_engine.request import Request, in_order
 from pcd_engine.results import PCDResult
+from pcd_engine.rules import Rule, get_rule, tree_shape
 from pcd_engine.runner import BranchRunner
-from pcd_engine.schema import Limits, compile_schema
+from pcd_engine.schema import Limits
 from pcd_engine.scorer import Scorer
-from pcd_engine.scoring import Rule, get_rule, layout
 from pcd_engine.shortlist import ShortlistPolicy
 from pcd_engine.tool_calls import ToolCaller
 
@@ -116,9 +118,6 @@ class PCDEngine(LearningMixin, ChatMixin):
         self.tokenizer = tokenizer
         self.rule = get_rule(rule)
         self.limits = limits or Limits()
-        self.instructions = instructions
-        self.allow_generation = allow_generation
-        self.allow_empty_text = allow_empty_text
         self.abstain_below = RequestOptions(abstain_below=abstain_below).abstain_below  # checks it
         self.sampling = sampling or Sampling()
         self.prompt = ChatPrompt(tokenizer, chat_template_kwargs, text_framing)
@@ -138,7 +137,11 @@ class PCDEngine(LearningMixin, ChatMixin):
             )
         policy = ShortlistPolicy.for_device(self.runner.device) if shortlist is True else shortlist
         self.shortlist = policy or None
-        self._plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording, self.shortlist)
+        plans = PlanCache(self.prompt, self.limits, self.filler.check, branch_wording, self.shortlist)
+        self.pipeline = Pipeline(
+            self.scorer, self.rescorer, plans, self.limits, self.rule, instructions, allow_generation,
+            allow_empty_text,
+        )  # fmt: skip
         self.precision_check: precision.SelfCheck | None = None
         precision.warn_if_emulated(self.runner.dtype, self.runner.device)
         if self_check and self.runner.dtype != torch.float32:
@@ -177,104 +180,38 @@ class PCDEngine(LearningMixin, ChatMixin):
         return cls(model, tokenizer, **options)
 
     def plan(
-        self,
-        schema: Any,
-        *,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        allow_generation: bool | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        layout: str = "chat",
-        shortlisted: bool = True,
+        self, schema: Any, *, layout: str = "chat", shortlisted: bool = True, **options: Unpack[PlanOptions]
     ) -> SchemaPlan:
-        """The cached SchemaPlan for a schema (compiles it on first use; raises schema errors).
-        `examples` (default: the model's `pcd_examples`) are labeled (text, answer) pairs rendered
-        into the cached head; `layout` "raw" or "raw-value" plans for `RawPrompt` inputs;
-        `shortlisted=False` scores every field on its whole tree whatever the engine's shortlist."""
-        model = output_type(schema).model
-        compiled = compile_schema(model, self.limits, allow_open=True)
-        allowed = self.allow_generation if allow_generation is None else allow_generation
-        if compiled.open_fields and not allowed:
-            raise compiled.open_fields[0].error()
-        chosen_rule = self.rule if rule is None else get_rule(rule)
-        text = instructions if instructions is not None else self.instructions
-        shots = examples if examples is not None else getattr(model, "pcd_examples", None) or ()
-        turns = example_turns(model, shots)
-        return self._plans.get(compiled, chosen_rule, text, turns, layout, shortlisted)
+        """The cached SchemaPlan for a schema (compiled on first use; schema errors raise here):
+        `Pipeline.plan`."""
+        return self.pipeline.plan(schema, layout=layout, shortlisted=shortlisted, **options)
 
     @overload
     def classify(
-        self,
-        text: TextInput,
-        schema: type[T],
-        *,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        allow_generation: bool | None = None,
-        sampling: Sampling | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        calibration: Calibration | None = None,
-        abstain_below: float | None = None,
-        on_abstain: str = "flag",
-        logprobs: int | None = None,
+        self, text: TextInput, schema: type[T], **options: Unpack[ClassifyOptions]
     ) -> PCDResult[T]: ...
 
     @overload
     def classify(
-        self,
-        text: TextInput,
-        schema: Any,
-        *,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        allow_generation: bool | None = None,
-        sampling: Sampling | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        calibration: Calibration | None = None,
-        abstain_below: float | None = None,
-        on_abstain: str = "flag",
-        logprobs: int | None = None,
+        self, text: TextInput, schema: Any, **options: Unpack[ClassifyOptions]
     ) -> PCDResult[Any]: ...
 
-    def classify(
-        self,
-        text: TextInput,
-        schema: Any,
-        *,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        allow_generation: bool | None = None,
-        sampling: Sampling | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        calibration: Calibration | None = None,
-        abstain_below: float | None = None,
-        on_abstain: str = "flag",
-        logprobs: int | None = None,
-    ) -> PCDResult[Any]:
+    def classify(self, text: TextInput, schema: Any, **options: Unpack[ClassifyOptions]) -> PCDResult[Any]:
         """Answer one text with a validated `schema` value and per-field results.
 
         `text` is a str, a `Conversation` or a `RawPrompt` (continued as written, no chat template).
         `schema` is a Pydantic model (gives an instance), a TypedDict or a JSON-schema dict (a dict).
         Closed fields are scored; open fields are generated unless `allow_generation=False`.
-        `examples`: labeled (text, answer) pairs put in the cached prompt head. `calibration`: a
-        `Calibration` fitted for this schema, model and rule (`calibrate`). `abstain_below`: a field
-        whose (calibrated) confidence is below it is marked abstained (default: the engine's);
-        `on_abstain="raise"` then raises AbstentionError carrying the result. `logprobs=k` records
-        the generated tokens' log-probabilities, each with its `k` (0 to 20) most probable
-        alternatives, in `result.token_logprobs`.
+        The options (`ClassifyOptions`, each None by default: the engine's): `instructions`, `rule`,
+        `allow_generation`, `examples` (labeled (text, answer) pairs put in the cached prompt head),
+        `sampling`, `calibration` (a `Calibration` fitted for this schema, model and rule:
+        `calibrate`), `abstain_below` (a field whose (calibrated) confidence is below it is marked
+        abstained), `on_abstain` ("flag", or "raise": AbstentionError carrying the result) and
+        `logprobs=k` (the generated tokens' log-probabilities, each with its `k` (0 to 20) most
+        probable alternatives, in `result.token_logprobs`).
         """
-        options = RequestOptions(
-            instructions=instructions,
-            rule=rule,
-            allow_generation=allow_generation,
-            sampling=sampling,
-            examples=examples,
-            calibration=calibration,
-            abstain_below=self.abstain_below if abstain_below is None else abstain_below,
-            on_abstain=on_abstain,
-            logprobs=logprobs,
-        )
-        (result,) = self._run([text], schema, options, return_exceptions=False, single=True)
+        checked = RequestOptions.of(options, self.abstain_below)
+        (result,) = self._run([text], schema, checked, return_exceptions=False, single=True)
         assert not isinstance(result, PCDError)
         return result
 
@@ -283,18 +220,10 @@ class PCDEngine(LearningMixin, ChatMixin):
         texts: Iterable[TextInput],
         schema: Any,
         *,
-        instructions: str | None = None,
-        rule: str | Rule | None = None,
-        allow_generation: bool | None = None,
-        sampling: Sampling | None = None,
-        examples: Sequence[tuple[str, Any]] | None = None,
-        calibration: Calibration | None = None,
         calibrate: str | None = None,
-        abstain_below: float | None = None,
-        on_abstain: str = "flag",
-        logprobs: int | None = None,
         return_exceptions: bool = False,
         progress: Callable[[int], None] | None = None,
+        **options: Unpack[ClassifyOptions],
     ) -> list[PCDResult[Any] | PCDError]:
         """Classify many texts; one entry per input, in order. Options as in `classify`.
 
@@ -307,45 +236,34 @@ class PCDEngine(LearningMixin, ChatMixin):
         """
         if calibrate not in (None, "batch"):
             raise CalibrationError(f"calibrate must be None or 'batch', got {calibrate!r}")
-        options = RequestOptions(
-            instructions=instructions,
-            rule=rule,
-            allow_generation=allow_generation,
-            sampling=sampling,
-            examples=examples,
-            calibration=calibration,
-            batch_calibration=calibrate == "batch",
-            abstain_below=self.abstain_below if abstain_below is None else abstain_below,
-            on_abstain=on_abstain,
-            logprobs=logprobs,
-        )
-        return self._run(list(texts), schema, options, return_exceptions, single=False, progress=progress)
+        checked = RequestOptions.of(options, self.abstain_below, batch_calibration=calibrate == "batch")
+        return self._run(list(texts), schema, checked, return_exceptions, single=False, progress=progress)
 
     @cached_property
     def tools(self) -> ToolCaller:
         """Tool calls scored like any closed field: `engine.tools.call(messages, tools)` (tools.py)."""
         return ToolCaller(self)
 
-    @cached_property
-    def model_identity(self) -> calibration.ModelIdentity:
+    @property
+    def model_identity(self) -> ModelIdentity:
         """What calibrations fitted on this engine record and check (configuration, weight probe and
         the precision scores are computed in)."""
-        return calibration.model_identity(self.model, self.precision)
+        return self.pipeline.model_identity
 
     @property
     def precision(self) -> str:
         """How scores are computed: the weights' dtype, and FP32 re-scoring of close calls if any."""
-        return precision.describe(self.runner.dtype, self.rescorer)
+        return self.pipeline.precision
 
     def compare_rules(
         self, text: str, schema: type[T], rules: Sequence[str | Rule] = ("option", "option-mean", "greedy")
     ) -> dict[str, PCDResult[T]]:
         """Results of several rules that share one layout, all from the same packed pass."""
         chosen = [get_rule(r) for r in rules]
-        if len({layout(r) for r in chosen}) > 1:
+        if len({tree_shape(r) for r in chosen}) > 1:
             raise ValueError("these rules read different trees (codes, cut or not); compare them separately")
         plan = self.plan(schema, rule=chosen[0], allow_generation=False, shortlisted=False)
-        return comparison.compare_rules(self.scorer, plan, text, chosen, self.limits, self.allow_empty_text)
+        return comparison.compare_rules(self.pipeline, plan, text, chosen)
 
     def _run(
         self,
@@ -357,24 +275,23 @@ class PCDEngine(LearningMixin, ChatMixin):
         progress: Callable[[int], None] | None = None,
     ) -> list[PCDResult[Any] | PCDError]:
         target = output_type(schema)
-        plan = self.plan(
-            target.model,
-            instructions=options.instructions,
-            rule=options.rule,
-            allow_generation=options.allow_generation,
-            examples=options.examples,
-            layout=input_layout(texts),
-        )
+        plan = self.pipeline.plan(target.model, layout=input_layout(texts), **options.plan)
         if options.calibration is not None:
             options.calibration.check(plan, self.model_identity)
         if options.batch_calibration and len(texts) < 2:
             raise CalibrationError("calibrate='batch' needs a batch of at least 2 texts")
         keep_hidden = options.calibration is not None and options.calibration.needs_hidden
-        items = self._decided(plan, texts, single, return_exceptions, keep_hidden)  # phases 1 to 3
-        requests = [item for item in items if isinstance(item, Request)]
+        # 1. render every input: a bad one fails here (or takes its place), before any model work
+        items = self.pipeline.render(plan, texts, single, return_exceptions)
+        # 2. score the closed fields in packed passes, several requests per forward call
+        self.pipeline.score(plan, items, keep_hidden)
+        # 3. re-score close calls on the FP32 reference model
+        self.pipeline.rescore(plan, items)
         # 4. calibrate the scored fields, mark those below the abstention threshold
-        self._calibrate(plan, requests, options)
+        batch, threshold = options.batch_calibration, options.abstain_below
+        self.pipeline.calibrate(plan, items, options.calibration, batch=batch, abstain_below=threshold)
         # 5. the answer: the scored values alone, or with the open fields generated after them
+        requests = [item for item in items if isinstance(item, Request)]
         if plan.json_schema is None:
             for item in items:
                 if isinstance(item, Request):
@@ -388,63 +305,3 @@ class PCDEngine(LearningMixin, ChatMixin):
                 progress(len(items) - len(requests))
         # 6. one result or error per input, in order
         return in_order(items, target.to_output, return_exceptions, options.on_abstain == "raise")
-
-    def _decided(
-        self,
-        plan: SchemaPlan,
-        texts: Sequence[Any],
-        single: bool,
-        return_exceptions: bool,
-        keep_hidden: bool = False,
-    ) -> list[Request | PCDError]:
-        """Phases 1 to 3: every input rendered (or its error), its scored fields decided (and, with
-        `keep_hidden`, the hidden states a head reads kept from the same pass)."""
-        # 1. render every input: a bad one fails here (or takes its place), before any model work
-        items = render_all(
-            self.prompt, plan, texts, self.limits, single, return_exceptions, self.allow_empty_text
-        )
-        self._score_and_rescore(plan, [item for item in items if isinstance(item, Request)], keep_hidden)
-        return items
-
-    def _score_and_rescore(self, plan: SchemaPlan, requests: Sequence[Request], keep_hidden: bool) -> None:
-        # 2. score the closed fields in packed passes, several requests per forward call
-        self._score(plan, requests, keep_hidden)
-        # 3. re-score close calls on the FP32 reference model
-        if self.rescorer is not None:
-            for request in requests:
-                self.rescorer.rescore(plan, request)
-
-    def _calibrate(self, plan: SchemaPlan, requests: Sequence[Request], options: RequestOptions) -> None:
-        """Phase 4: the request's calibration, or one fitted on this batch's own scores; then
-        abstention."""
-        maps = options.calibration.fields if options.calibration is not None else {}
-        if options.batch_calibration and requests:
-            maps = fitting.batch_maps(plan, [r.fields for r in requests])
-        for request in requests:
-            request.fields = calibration.apply_all(maps, request.fields, request.hidden)
-            if options.abstain_below is not None:
-                request.fields = calibration.abstain(request.fields, options.abstain_below)
-
-    def _score(self, plan: SchemaPlan, requests: Sequence[Request], keep_hidden: bool = False) -> None:
-        """Phase 2: every request's scored fields, its decisions made (priors subtracted where the
-        rule corrects them); with `keep_hidden`, its hidden states from the same calls."""
-        if not requests:
-            return
-        began = time.perf_counter()
-        stats = [r.stats for r in requests]
-        capture = None
-        if keep_hidden and plan.trees:
-            capture = [
-                HiddenCapture(len(r.prompt.head), len(r.prompt.head) + len(r.prompt.text)) for r in requests
-            ]
-        runs = self.scorer.score(plan, [r.prompt.ids for r in requests], stats, capture=capture)
-        scored = time.perf_counter()
-        wanted = any(dp.rule.corrects_prior for dp in plan.decisions)
-        priors = self.scorer.priors(plan, stats[0]) if wanted else None
-        for k, (request, logprobs) in enumerate(zip(requests, runs, strict=True)):
-            request.fields = decide(plan, logprobs, priors)
-            self.scorer.finish_shortlists(plan, request.prompt.ids, request.fields, request.stats, priors)
-            if capture is not None:
-                request.hidden = capture[k].states()
-            request.timings["forward"] = (scored - began) * 1e3 / len(requests)
-            request.timings["score"] = elapsed_ms(scored) / len(requests)

@@ -50,6 +50,12 @@ class InputError(PCDError, ValueError):
     """An input text cannot be classified (wrong type, empty, or its prompt is too long)."""
 
 
+class TokenizationError(PCDError, ValueError):
+    """A field's values, as this tokenizer writes them, cannot be told apart by scoring: one value's
+    tokens begin another's, or the values share no first token after the field's key. Raised when
+    the schema is planned, before any text is read; reword or drop the value it names."""
+
+
 class StructuredOutputError(PCDError, ValueError):
     """The model's answer could not be turned into a valid object (after the allowed retries).
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from pcd_engine import heads, metrics
+from pcd_engine import heads, metrics, optimisers
 from pcd_engine.calibration import (
     Calibration,
     FieldCalibration,
@@ -59,7 +59,6 @@ from pcd_engine.results import FieldResult, json_key
 from pcd_engine.schema import CompiledSchema, JSONScalar
 
 METHODS = ("none", "temperature", "batch", "bias", "head")  # simplest first: ties go to the earlier
-MAPS = METHODS[:4]  # the methods that read the rule's scores alone
 LOG_LOSS_TIE = 0.002  # cross-validated log-losses closer than this (nats) count as equal
 SKEW_WARNING = 0.25  # total variation between label shares and the model's estimate that warns
 HEAD_MIN_LABELS = 2  # see head_ready
@@ -68,21 +67,22 @@ TEMPERATURE_FOLDS = 20  # a head's temperature is fitted on out-of-fold logits o
 
 def fit_batch(values: tuple[str, ...], log_scores: torch.Tensor) -> FieldCalibration:
     """Batch calibration: bias = -log(mean probability of each value over the rows)."""
-    return FieldCalibration("batch", values, 1.0, tuple(heads.batch_prior(log_scores).tolist()))
+    return FieldCalibration("batch", values, 1.0, tuple(optimisers.batch_prior(log_scores).tolist()))
 
 
 def fit_labeled(
     method: str, values: tuple[str, ...], log_scores: torch.Tensor, labels: torch.Tensor
 ) -> FieldCalibration:
-    """Fit a map (`MAPS`) on rows of log-scores and the index of each row's true value."""
+    """Fit a map that reads the rule's scores alone ("none", "temperature", "batch", "bias") on rows
+    of log-scores and the index of each row's true value."""
     z = log_scores.double()
     if method == "none":
         return FieldCalibration("none", values)
     if method == "batch":
         return fit_batch(values, z)
     if method == "temperature":
-        return FieldCalibration("temperature", values, heads.fit_temperature(z, labels))
-    scale, bias, _ = heads.fit_linear(z, labels, heads.batch_prior(z))
+        return FieldCalibration("temperature", values, optimisers.fit_temperature(z, labels))
+    scale, bias, _ = optimisers.fit_linear(z, labels, optimisers.batch_prior(z))
     return FieldCalibration("bias", values, 1.0 / scale, tuple(bias.tolist()))
 
 
@@ -306,7 +306,7 @@ def confidence_step(
     probabilities: torch.Tensor, labels: torch.Tensor, fold: Sequence[int]
 ) -> tuple[float, torch.Tensor]:
     """(temperature, the rows' probabilities under it): the confidence temperature
-    (`heads.fit_confidence_temperature`) of a field's out-of-fold probabilities, and those
+    (`optimisers.fit_confidence_temperature`) of a field's out-of-fold probabilities, and those
     probabilities cross-fitted (each fold's from a temperature fitted on the other folds). 1.0 and
     the probabilities unchanged unless the cross-fitted binary log-loss of the confidence falls.
     A temperature changes no answer, so accuracy and macro-F1 stay as they are."""
@@ -316,11 +316,11 @@ def confidence_step(
     for k in sorted(set(fold)):
         train, test = tags != k, tags == k
         crossed[test] = torch.softmax(
-            logits[test] / heads.fit_confidence_temperature(logits[train], labels[train]), dim=1
+            logits[test] / optimisers.fit_confidence_temperature(logits[train], labels[train]), dim=1
         )
-    if heads.confidence_loss(crossed, labels) >= heads.confidence_loss(probabilities, labels):
+    if optimisers.confidence_loss(crossed, labels) >= optimisers.confidence_loss(probabilities, labels):
         return 1.0, probabilities
-    return heads.fit_confidence_temperature(logits, labels), crossed
+    return optimisers.fit_confidence_temperature(logits, labels), crossed
 
 
 def sharpened(fitted: FieldCalibration, temperature: float) -> FieldCalibration:

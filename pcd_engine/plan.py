@@ -20,10 +20,13 @@ from typing import Any
 import torch
 
 from pcd_engine import packing, shortlist
-from pcd_engine.branches import TokenizationError, TokenTree, build_tree, cut_tree, rows_in
-from pcd_engine.errors import InputError, SchemaLimitError, UnsupportedSchemaError
+from pcd_engine.branches import TokenTree, build_tree, cut_tree, rows_in
+from pcd_engine.errors import InputError, SchemaLimitError, TokenizationError, UnsupportedSchemaError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
-from pcd_engine.layout import (
+from pcd_engine.prompt import LAYOUTS, ChatPrompt
+from pcd_engine.rules import ContextualCalibration, OptionRule, Rule
+from pcd_engine.schema import YES_NO, CompiledSchema, Decision, Limits
+from pcd_engine.wording import (
     WORDINGS,
     branch_text,
     candidate_text,
@@ -31,9 +34,6 @@ from pcd_engine.layout import (
     plain_answer,
     system_text,
 )
-from pcd_engine.prompt import LAYOUTS, ChatPrompt
-from pcd_engine.schema import YES_NO, CompiledSchema, Decision, Limits
-from pcd_engine.scoring import ContextualCalibration, OptionRule, Rule
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ nats, or gives NaN.
 `FP32Rescorer` keeps an FP32 copy of the weights with its own scorer (runner, prefix cache, priors).
 `rescore` scores again on that copy every field of a request whose margin (chosen probability minus
 the runner-up's) is below `margin`, and its result replaces the low-precision one, so that close calls
-are decided as FP32 decides them. Its counters (`checked_fields`, `rescored_fields`) are written here.
+are decided as FP32 decides them. Its counter `rescored_fields` counts the fields it decided.
 
 >>> engine = PCDEngine.from_pretrained(path, dtype="bfloat16", fp32_rescore=True)  # doctest: +SKIP
 >>> engine.precision_check.passed, engine.precision_check.max_abs_diff  # doctest: +SKIP
@@ -38,9 +38,9 @@ from pcd_engine.loading import native_bf16
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, elapsed_ms
+from pcd_engine.rules import token_logprobs
 from pcd_engine.runner import BranchRunner, PassStats
 from pcd_engine.scorer import Scorer
-from pcd_engine.scoring import token_logprobs
 
 # max |packed - separate| per token log-prob (nats) that a sound packed path stays within
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5, torch.float16: 0.1}
@@ -136,7 +136,6 @@ class FP32Rescorer:
         self.scorer = Scorer(self.runner, PrefixCache() if cache else None, prompt)
         self.margin = margin
         self.rescored_fields = 0
-        self.checked_fields = 0
 
     def needs(self, margin: float | None) -> bool:
         return margin is not None and margin < self.margin
@@ -146,7 +145,6 @@ class FP32Rescorer:
         began = time.perf_counter()
         scored = plan.scored_decisions
         low = [k for k, dp in enumerate(scored) if self.needs(request.fields[dp.decision.path].margin)]
-        self.checked_fields += len(scored)
         if not low:
             return
         stats = PassStats()

@@ -2,7 +2,7 @@
 
 `Request.render` checks an input and renders its prompt (InputError before any model work); the
 pipeline's phases then fill in the request's fields, value or error, and `result()` turns it into the
-`PCDResult` (or the error) the caller gets. Per-call options travel as `RequestOptions`.
+`PCDResult` (or the error) the caller gets.
 """
 
 from __future__ import annotations
@@ -15,44 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from pcd_engine.calibration import Calibration
 from pcd_engine.decisions import closed_value
-from pcd_engine.errors import AbstentionError, CalibrationError, InputError, PCDError, StructuredOutputError
-from pcd_engine.generate import Sampling, check_logprobs
+from pcd_engine.errors import AbstentionError, InputError, PCDError, StructuredOutputError
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt, Conversation, PromptIds, RawPrompt
 from pcd_engine.results import Diagnostics, FieldResult, PCDResult, TokenLogprob
 from pcd_engine.runner import PassStats
 from pcd_engine.schema import Limits
-from pcd_engine.scoring import Rule
-
-ON_ABSTAIN = ("flag", "raise")
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """What a `classify` call may set for itself (None: the engine's default)."""
-
-    instructions: str | None = None
-    rule: str | Rule | None = None
-    allow_generation: bool | None = None
-    sampling: Sampling | None = None
-    examples: Sequence[tuple[str, Any]] | None = None
-    calibration: Calibration | None = None
-    batch_calibration: bool = False
-    abstain_below: float | None = None
-    on_abstain: str = "flag"
-    logprobs: int | None = None  # record generated tokens' log-probabilities, this many alternatives
-
-    def __post_init__(self) -> None:
-        check_logprobs(self.logprobs)
-        if self.abstain_below is not None and not 0.0 <= self.abstain_below <= 1.0:
-            raise ValueError(f"abstain_below must be a probability in [0, 1], got {self.abstain_below!r}")
-        if self.on_abstain not in ON_ABSTAIN:
-            raise ValueError(f"on_abstain must be one of {ON_ABSTAIN}, got {self.on_abstain!r}")
-        if self.calibration is not None and self.batch_calibration:
-            raise CalibrationError("pass either a calibration or calibrate='batch', not both")
 
 
 def example_turns(

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from pcd_engine.schema import JSONScalar
 
 if TYPE_CHECKING:
-    from pcd_engine.scoring import Scores
+    from pcd_engine.rules import Scores
 
 T = TypeVar("T")
 

@@ -34,7 +34,7 @@ import torch
 
 from pcd_engine.branches import TokenTree, cut_tree
 from pcd_engine.results import FieldResult
-from pcd_engine.scoring import ContextualCalibration, OptionRule, Rule, from_scores
+from pcd_engine.rules import ContextualCalibration, OptionRule, Rule, from_scores
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from pydantic import BaseModel, Field
 
 from pcd_engine import Conversation, PCDEngine
 from pcd_engine.precision import separate_logprobs
+from pcd_engine.rules import token_logprobs
 from pcd_engine.runner import PassStats
-from pcd_engine.scoring import token_logprobs
 
 
 class Shipping(BaseModel):

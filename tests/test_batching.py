@@ -8,8 +8,8 @@ import torch
 
 from pcd_engine import PCDEngine
 from pcd_engine.packing import pack_inputs, pack_rows
+from pcd_engine.rules import GreedyRule
 from pcd_engine.runner import PassStats
-from pcd_engine.scoring import GreedyRule
 from tests.helpers import TEXT, TEXTS, ForwardCounter, Wide, assert_same_scores
 
 

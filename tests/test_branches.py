@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from pcd_engine.branches import TokenizationError, build_tree
+from pcd_engine.branches import build_tree
+from pcd_engine.errors import TokenizationError
 
 
 def chars(text: str) -> list[int]:

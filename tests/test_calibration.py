@@ -216,7 +216,7 @@ def test_the_same_weights_in_another_dtype_are_the_same_model_but_not_the_same_s
         ):
             other.classify(TEXTS[0], Ticket, calibration=loaded)
     bf16.classify(TEXTS[0], Ticket, calibration=bf16.calibrate(Ticket, TEXTS, method="batch"))
-    from minicpm_pcd_adapters.server_calibrations import Calibrations  # pcd serve --calibration
+    from minicpm_pcd_adapters.server.calibrations import Calibrations  # pcd serve --calibration
 
     assert Calibrations(engine, [str(tmp_path / "fp32.json")]).by_name
     with pytest.raises(

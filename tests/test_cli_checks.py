@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minicpm_pcd_adapters.loaders import load_schema
+from minicpm_pcd_adapters.by_name import load_schema
 from pcd_engine import Calibration, ModelIdentity
 
 ROOT = Path(__file__).resolve().parents[1]

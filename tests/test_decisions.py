@@ -13,7 +13,7 @@ from pydantic import BaseModel, model_validator
 from pcd_engine import FieldResult, Limits, StructuredOutputError, compile_schema
 from pcd_engine.decisions import closed_value, decide, decide_field, scored_values
 from pcd_engine.plan import SchemaPlan, build_plan
-from pcd_engine.scoring import RULES, token_logprobs
+from pcd_engine.rules import RULES, token_logprobs
 
 
 class CharPrompt:

@@ -17,8 +17,8 @@ from pcd_engine import (
     SchemaLimitError,
     UnsupportedSchemaError,
 )
+from pcd_engine.rules import ContextualCalibration, GreedyRule, OptionRule
 from pcd_engine.runner import PassStats
-from pcd_engine.scoring import ContextualCalibration, GreedyRule, OptionRule
 from tests.helpers import TEXTS, Wide
 
 
@@ -98,7 +98,7 @@ def test_greedy_on_trees_cut_at_the_distinguishing_token_is_exact(engine, rule):
 
 
 def test_option_unique_sums_the_tokens_up_to_the_distinguishing_one(engine):
-    from pcd_engine.scoring import token_logprobs
+    from pcd_engine.rules import token_logprobs
 
     text = "refund me, the app crashes"
     plan = engine.plan(Wide, rule="option")

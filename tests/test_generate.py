@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from pcd_engine import Generation, InputError, PCDEngine, Sampling
 from pcd_engine.generate import StopStrings
+from tests.helpers import ForwardCounter
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is my parcel?"}]
 
@@ -81,9 +84,22 @@ def test_stop_string_buffer_holds_back_partial_matches():
 
 
 def test_closing_a_stream_early_stops_generation(engine):
-    stream = engine.stream(MESSAGES, max_tokens=64)
-    next(stream)
-    stream.close()  # joins the worker thread; must not hang
+    counter = ForwardCounter(engine.model.get_decoder())
+    try:
+        whole = engine.generate(MESSAGES, max_tokens=64)
+        calls_of_the_whole = len(counter.rows)
+        counter.rows.clear()
+        stream = engine.stream(MESSAGES, max_tokens=64)
+        next(stream)
+        stream.close()  # joins the worker thread; must not hang
+        calls_until_closed = len(counter.rows)
+        time.sleep(0.2)
+        calls_later = len(counter.rows)
+    finally:
+        counter.close()
+    assert whole.finish_reason == "length" and calls_of_the_whole >= 64  # it would have run 64 steps
+    assert calls_until_closed < 16  # the first piece comes after a few tokens; closing ends the loop
+    assert calls_later == calls_until_closed  # nothing runs after close
 
 
 def test_sampling_with_a_seed_is_reproducible(engine):

@@ -25,7 +25,8 @@ from pcd_engine.fitting import (
     head_ready,
     sharpened,
 )
-from pcd_engine.heads import fit_head, fit_temperature, out_of_fold_logits
+from pcd_engine.heads import fit_head, out_of_fold_logits
+from pcd_engine.optimisers import fit_temperature
 from pcd_engine.results import FieldResult
 from pcd_engine.suggestions import pick_uncertain, uncertainty
 
@@ -103,7 +104,7 @@ def test_the_report_warns_when_the_labels_are_skewed_against_the_model():
 
 
 def test_a_value_with_few_labels_keeps_its_bias_near_the_label_free_estimate():
-    from pcd_engine.heads import batch_prior, fit_linear, value_penalty
+    from pcd_engine.optimisers import batch_prior, fit_linear, value_penalty
 
     labels = torch.tensor([0] * 30 + [1] * 30 + [2] * 1)
     pull = value_penalty(labels, 3)

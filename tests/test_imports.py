@@ -1,4 +1,4 @@
-"""The import graph of both packages, read from their source with `ast`: no cycles (imports inside
+"""The import graph of both packages and the benchmarks, read from their source with `ast`: no cycles (imports inside
 functions and type-only imports count too), and a core that imports no framework, server or Ray."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pcd_engine", "minicpm_pcd_adapters")
+PACKAGES = ("pcd_engine", "minicpm_pcd_adapters", "benchmarks")
 OUTSIDE_THE_CORE = {
     "minicpm_pcd_adapters", "langchain", "langchain_core", "llama_index", "fastapi", "starlette",
     "uvicorn", "prometheus_client", "openai", "ray", "pyarrow", "matplotlib", "jinja2",

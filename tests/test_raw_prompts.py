@@ -20,8 +20,8 @@ from pcd_engine import (
     UnsupportedSchemaError,
 )
 from pcd_engine.precision import separate_logprobs
+from pcd_engine.rules import token_logprobs
 from pcd_engine.runner import PassStats
-from pcd_engine.scoring import token_logprobs
 from tests.helpers import REVIEW_PROMPTS, ForwardCounter, Shipping
 
 

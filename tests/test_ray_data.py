@@ -18,7 +18,7 @@ import pytest
 import ray
 from pydantic import BaseModel
 
-from minicpm_pcd_adapters.ray_data import classify_dataset
+from minicpm_pcd_adapters.ray.data import classify_dataset
 from pcd_engine import PCDEngine, UnsupportedSchemaError
 from tests.helpers import ROUTE
 

@@ -12,8 +12,8 @@ import pytest
 import ray
 from ray import serve
 
-from minicpm_pcd_adapters.ray_serve import pcd_application
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.ray.serve import pcd_application
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import PCDEngine
 from tests.helpers import ROUTE
 

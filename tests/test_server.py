@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from minicpm_pcd_adapters.server import create_app
-from minicpm_pcd_adapters.server_settings import ServerSettings
-from pcd_engine import Limits, PCDEngine
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.settings import ServerSettings
+from pcd_engine import Limits, PCDEngine, PCDError, TokenizationError
 from tests.helpers import served
 
 KEY = "test-key-123"
@@ -533,3 +533,32 @@ def test_a_conversation_with_an_earlier_call_and_its_result_reaches_the_decision
     assert response.choices[0].pcd["probabilities"] == pytest.approx(
         {k if k is not None else "": p for k, p in reference.probabilities.items()}, abs=1e-4
     )
+
+
+def test_a_schema_whose_values_cannot_be_told_apart_by_this_tokenizer_is_a_400(server, monkeypatch):
+    """TokenizationError is a PCDError: the server answers it as a schema it cannot serve, not a 500."""
+    import pcd_engine.plan
+
+    real = pcd_engine.plan.build_tree
+
+    def build_tree(encode, branch, candidates, *args, **kwargs):
+        if any("zzz" in c for c in candidates):
+            raise TokenizationError(f"candidate {candidates[0]!r} tokenizes as a prefix of another")
+        return real(encode, branch, candidates, *args, **kwargs)
+
+    monkeypatch.setattr(pcd_engine.plan, "build_tree", build_tree)
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"type": "string", "enum": ["zzz", "zzzz"]}},
+        "required": ["kind"],
+    }
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "Odd", "schema": schema}},
+    }
+    answer = httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "unsupported_schema" and "prefix of another" in error["message"]
+    assert issubclass(TokenizationError, PCDError)

@@ -15,8 +15,8 @@ from langchain_openai import ChatOpenAI
 from llama_index.core.prompts import PromptTemplate
 from llama_index.llms.openai_like import OpenAILike
 
-from minicpm_pcd_adapters.server import create_app
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from tests.helpers import served, smollm2_engine
 
 pytestmark = pytest.mark.slow

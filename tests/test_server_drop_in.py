@@ -15,9 +15,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from minicpm_pcd_adapters.openai_structured import choice_schema
-from minicpm_pcd_adapters.server import create_app
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.constraints import choice_schema
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import RawPrompt
 from tests.helpers import REVIEW_PROMPTS, served, smollm2_engine
 
@@ -401,8 +401,8 @@ def test_accepted_and_ignored_parameters_and_the_published_document(url):
 
 
 def test_pcd_s_own_option_sent_at_the_top_level_is_pointed_to_its_object():
-    from minicpm_pcd_adapters.openai_errors import APIError, read_body
-    from minicpm_pcd_adapters.openai_protocol import ChatCompletionRequest
+    from minicpm_pcd_adapters.server.errors import APIError, read_body
+    from minicpm_pcd_adapters.server.protocol import ChatCompletionRequest
 
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "abstain_below": 0.7}
     with pytest.raises(APIError) as caught:  # what `extra_body={"abstain_below": 0.7}` sends

@@ -11,8 +11,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode, checks
 
-from minicpm_pcd_adapters.server import create_app
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Limits, PCDEngine
 from tests.helpers import served
 

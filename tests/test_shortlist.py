@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from pcd_engine import DEFAULT_RULE, CalibrationError, PCDEngine
 from pcd_engine.branches import build_tree, cut_tree, rows_in, sub_tree
 from pcd_engine.precision import separate_logprobs
+from pcd_engine.rules import token_logprobs
 from pcd_engine.runner import PassStats
-from pcd_engine.scoring import token_logprobs
 from pcd_engine.shortlist import ShortlistPolicy
 from tests.helpers import TEXTS, assert_same_scores
 

@@ -14,8 +14,8 @@ import pytest
 
 from minicpm_pcd_adapters.cli import main
 from minicpm_pcd_adapters.cli.options import read_labeled
-from minicpm_pcd_adapters.server import create_app
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from minicpm_pcd_adapters.teacher import Teacher, TeacherError, TeacherLabel, label_texts, value_confidence
 from tests.helpers import served, smollm2_engine
 

@@ -8,9 +8,9 @@ them with a stronger model, serve.
     pcd suggest --schema ... --input unlabeled.jsonl --count 50 --output to_label.jsonl
     pcd label --schema ... --input to_label.jsonl --output labeled.jsonl \
         --teacher-url http://127.0.0.1:8001/v1 --teacher-model NAME  (teacher.py; [teacher])
-    pcd classify --ray --actors 2 --schema ... --input folder/ --output answers/  (ray_files.py; [ray])
-    pcd serve --model smollm2 [--port 8000 --api-key KEY]  (server.py; needs the [server] extra)
-    pcd serve --ray --replicas 2 --model smollm2  (ray_serve.py; needs the [ray] extra)
+    pcd classify --ray --actors 2 --schema ... --input folder/ --output answers/  (ray/files.py; [ray])
+    pcd serve --model smollm2 [--port 8000 --api-key KEY]  (server/app.py; needs the [server] extra)
+    pcd serve --ray --replicas 2 --model smollm2  (ray/serve.py; needs the [ray] extra)
     pcd manifest create /models/MiniCPM5-2B --output minicpm5.manifest.json  (then --manifest FILE)
 
 `classify` input: `.jsonl`/`.ndjson`/`.json` files hold one JSON value per line (an object with a
@@ -25,7 +25,7 @@ report.json and PNG plots (reliability diagram, coverage vs accuracy) to `--repo
 
 One module per command (`classify.py`, `evaluate.py`, `calibrate.py`, `suggest.py`, `label.py`,
 `serve.py`, `manifest.py`), each adding its own arguments (`add_parser`) and running them (`main`); what they
-share is `options.py`, and the loaders every entry point shares are `minicpm_pcd_adapters.loaders`.
+share is `options.py`, and the loaders every entry point shares are `minicpm_pcd_adapters.by_name`.
 """
 
 from minicpm_pcd_adapters.cli.main import main

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from minicpm_pcd_adapters.by_name import load_schema
 from minicpm_pcd_adapters.cli.options import (
     SETUP_ERRORS,
     check_paths,
@@ -18,7 +19,6 @@ from minicpm_pcd_adapters.cli.options import (
     load_for,
     read_labeled,
 )
-from minicpm_pcd_adapters.loaders import load_schema
 from pcd_engine import PCDEngine, PCDError
 
 

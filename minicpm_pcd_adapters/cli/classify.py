@@ -1,5 +1,5 @@
 """`pcd classify`: every line of a file answered, streaming and resumable (files.py); with `--ray`,
-files and folders on a Ray cluster, one output shard per input file (ray_files.py)."""
+files and folders on a Ray cluster, one output shard per input file (ray/files.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from minicpm_pcd_adapters.by_name import load_schema
 from minicpm_pcd_adapters.cli.options import (
     SETUP_ERRORS,
     check_paths,
@@ -22,7 +23,6 @@ from minicpm_pcd_adapters.cli.options import (
     load_for,
 )
 from minicpm_pcd_adapters.files import answered_lines, classify_file, count_lines
-from minicpm_pcd_adapters.loaders import load_schema
 from pcd_engine import Calibration, PCDEngine, PCDError
 
 
@@ -124,7 +124,7 @@ def run_ray(args: argparse.Namespace) -> int:
     try:
         import ray
 
-        from minicpm_pcd_adapters.ray_files import classify_files, input_files, rows_in
+        from minicpm_pcd_adapters.ray.files import classify_files, input_files, rows_in
     except ImportError as error:
         print(f"pcd: error: {error}; install the ray extra: pip install 'minicpm-pcd[ray]'", file=sys.stderr)
         return 2

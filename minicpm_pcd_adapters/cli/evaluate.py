@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from minicpm_pcd_adapters.by_name import load_schema
 from minicpm_pcd_adapters.cli.options import (
     SETUP_ERRORS,
     check_paths,
@@ -21,7 +22,6 @@ from minicpm_pcd_adapters.cli.options import (
     load_model,
     read_labeled,
 )
-from minicpm_pcd_adapters.loaders import load_schema
 from pcd_engine import Calibration, Evaluation, PCDEngine, PCDError, evaluate
 
 

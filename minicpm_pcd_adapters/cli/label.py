@@ -19,9 +19,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from minicpm_pcd_adapters.by_name import load_schema
 from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, check_paths, fail
 from minicpm_pcd_adapters.files import iter_inputs, write_errors
-from minicpm_pcd_adapters.loaders import load_schema
 from minicpm_pcd_adapters.teacher import KEY_VARIABLE, Answer, Teacher, TeacherLabel, label_texts
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minicpm_pcd_adapters.loaders import MODELS, load_engine, load_schema
+from minicpm_pcd_adapters.by_name import MODELS, load_engine, load_schema
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B
 from pcd_engine import (
     RULES,

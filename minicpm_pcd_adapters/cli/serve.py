@@ -1,4 +1,4 @@
-"""`pcd serve`: the OpenAI-compatible server (server.py; the [server] extra), or its Ray Serve
+"""`pcd serve`: the OpenAI-compatible server (server/app.py; the [server] extra), or its Ray Serve
 deployment (`--ray`; the [ray] extra)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from minicpm_pcd_adapters.by_name import load_engine
 from minicpm_pcd_adapters.cli.options import engine_options, model_options
-from minicpm_pcd_adapters.loaders import load_engine
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Calibration, PCDError
 
 
@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from minicpm_pcd_adapters.server import create_app
+        from minicpm_pcd_adapters.server.app import create_app
     except ImportError as error:
         print(
             f"pcd: error: {error}; install the server extra: pip install 'minicpm-pcd[server]'",
@@ -113,7 +113,7 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, options: d
         import ray
         from ray import serve
 
-        from minicpm_pcd_adapters.ray_serve import pcd_application
+        from minicpm_pcd_adapters.ray.serve import pcd_application
 
         application = pcd_application(
             args.model,

@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from minicpm_pcd_adapters.openai_errors import APIError
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.errors import APIError
+from minicpm_pcd_adapters.server.settings import ServerSettings
 
 
 class Guard:

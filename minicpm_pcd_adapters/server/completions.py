@@ -2,9 +2,9 @@
 serves it: `prompt` (a string or a list) is continued as written, with no chat template, so base
 checkpoints answer too. No web framework and no model here.
 
-`parse_completion(body, limits)` returns the same calls as chat (`openai_protocol.py`), with the
+`parse_completion(body, limits)` returns the same calls as chat (`server/protocol.py`), with the
 prompts as raw inputs:
-- a `ClassifyCall` for a choice or a JSON schema (`openai_structured.py`, or `response_format`):
+- a `ClassifyCall` for a choice or a JSON schema (`server/constraints.py`, or `response_format`):
   every prompt of the list in one `classify_batch`, each answered right after its prompt;
 - a `GenerateCall` otherwise (plain, regex, grammar or JSON-object generation).
 The answers the server builds for chat are written in this protocol's shape by `text_body` and
@@ -23,8 +23,14 @@ from typing import Any
 
 from pydantic import Field
 
-from minicpm_pcd_adapters.openai_errors import APIError, read_body
-from minicpm_pcd_adapters.openai_protocol import (
+from minicpm_pcd_adapters.server.constraints import (
+    ConstrainedDecoding,
+    Constraint,
+    choice_schema,
+    read_constraint,
+)
+from minicpm_pcd_adapters.server.errors import APIError, read_body
+from minicpm_pcd_adapters.server.protocol import (
     ClassifyCall,
     GenerateCall,
     PCDOptions,
@@ -34,12 +40,6 @@ from minicpm_pcd_adapters.openai_protocol import (
     format_schema,
     refuse_beyond_limits,
     request_sampling,
-)
-from minicpm_pcd_adapters.openai_structured import (
-    ConstrainedDecoding,
-    Constraint,
-    choice_schema,
-    read_constraint,
 )
 from pcd_engine import RawPrompt
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from minicpm_pcd_adapters.files import JSON_SUFFIXES, count_lines, parse_line
-from minicpm_pcd_adapters.ray_data import classify_dataset
+from minicpm_pcd_adapters.ray.data import classify_dataset
 
 SUFFIXES = (*sorted(JSON_SUFFIXES), ".txt", ".parquet")
 FORMATS = ("parquet", "jsonl")

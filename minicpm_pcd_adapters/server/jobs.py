@@ -11,8 +11,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minicpm_pcd_adapters.openai_errors import APIError
-from pcd_engine import InputError, PCDError, SchemaLimitError, StructuredOutputError, UnsupportedSchemaError
+from minicpm_pcd_adapters.server.errors import APIError
+from pcd_engine import (
+    InputError,
+    PCDError,
+    SchemaLimitError,
+    StructuredOutputError,
+    TokenizationError,
+    UnsupportedSchemaError,
+)
 
 
 def engine_error(error: PCDError, input_param: str = "messages") -> APIError:
@@ -22,7 +29,7 @@ def engine_error(error: PCDError, input_param: str = "messages") -> APIError:
         return APIError(500, str(error), type="server_error", code="invalid_model_output")
     if isinstance(error, InputError):
         return APIError(400, str(error), param=input_param, code="invalid_input")
-    if isinstance(error, (UnsupportedSchemaError, SchemaLimitError)):
+    if isinstance(error, (UnsupportedSchemaError, SchemaLimitError, TokenizationError)):
         return APIError(400, str(error), code="unsupported_schema")
     return APIError(400, str(error), code="invalid_request")
 

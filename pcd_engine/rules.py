@@ -72,8 +72,8 @@ class Rule(Protocol):
     def score(self, tree: TokenTree, logprobs: torch.Tensor) -> Scores: ...
 
 
-def layout(rule: Rule) -> tuple[bool, bool, bool]:
-    """What a rule's trees look like: rules with equal layouts can read one packed pass."""
+def tree_shape(rule: Rule) -> tuple[bool, bool, bool]:
+    """What a rule's trees look like (codes, cut or not): rules of one shape can read one packed pass."""
     return (rule.uses_codes, rule.until_unique, rule.cut_bools)
 
 

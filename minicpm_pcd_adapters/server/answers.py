@@ -11,16 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minicpm_pcd_adapters.openai_completions import text_body, text_chunk
-from minicpm_pcd_adapters.openai_protocol import ClassifyCall, ToolCall
-from minicpm_pcd_adapters.openai_structured import CHOICE_FIELD
+from minicpm_pcd_adapters.server.completions import text_body, text_chunk
+from minicpm_pcd_adapters.server.constraints import CHOICE_FIELD
+from minicpm_pcd_adapters.server.protocol import ClassifyCall, ToolCall
 from pcd_engine import FieldResult, Generation, PCDResult, TokenLogprob, ToolCallResult
 
 
 @dataclass
 class Completion:
     """One response: its id, creation time and model, then its choices (one per `n`). With `text`,
-    written as a `/v1/completions` answer (`openai_completions.py`)."""
+    written as a `/v1/completions` answer (`server/completions.py`)."""
 
     model: str
     text: bool = False

@@ -114,7 +114,7 @@ def portable_schema(schema: Any) -> Any:
 def resolve_schema(schema: Any) -> Any:
     """An import path made into its class; classes and dicts as they are."""
     if isinstance(schema, str):
-        from minicpm_pcd_adapters.loaders import load_schema
+        from minicpm_pcd_adapters.by_name import load_schema
 
         return load_schema(schema)
     return schema
@@ -140,7 +140,7 @@ class Classifier:
         engine_options: dict[str, Any],
         classify_options: dict[str, Any],
     ) -> None:
-        from minicpm_pcd_adapters.loaders import load_engine
+        from minicpm_pcd_adapters.by_name import load_engine
 
         self.engine = load_engine(model, **engine_options)
         self.schema = resolve_schema(schema)

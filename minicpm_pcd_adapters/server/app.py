@@ -3,10 +3,10 @@
     POST /v1/chat/completions   structured answers scored by PCD, plain chat, JSON mode, streaming
     POST /v1/completions        the same after raw prompts (no chat template), a list in one batch
     GET  /v1/models, /v1/models/{id}, /v1/calibrations, /health, /metrics (Prometheus)
-    GET  /openapi.json (the request and response bodies, `server_openapi.py`)
+    GET  /openapi.json (the request and response bodies, `server/openapi.py`)
 
-What a request asks is read by `openai_protocol.py`; concurrent classify requests with the same
-schema and options are batched into one `classify_batch` by `batching.py` on the model worker
+What a request asks is read by `server/protocol.py`; concurrent classify requests with the same
+schema and options are batched into one `classify_batch` by `server/batching.py` on the model worker
 thread, so the event loop keeps answering while the model works. `Guard` (an ASGI middleware) checks
 the API key (every path but /health, compared in constant time) and the body size before any route
 runs. Schemas are JSON only: nothing in a request is imported or executed, and user text reaches the
@@ -34,8 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minicpm_pcd_adapters.batching import Batcher, QueueFull
-from minicpm_pcd_adapters.openai_answers import (
+from minicpm_pcd_adapters.server.answers import (
     Completion,
     choice_delta,
     classified_message,
@@ -46,9 +45,15 @@ from minicpm_pcd_adapters.openai_answers import (
     tool_message,
     usage,
 )
-from minicpm_pcd_adapters.openai_completions import parse_completion
-from minicpm_pcd_adapters.openai_errors import APIError
-from minicpm_pcd_adapters.openai_protocol import (
+from minicpm_pcd_adapters.server.batching import Batcher, QueueFull
+from minicpm_pcd_adapters.server.calibrations import Calibrations
+from minicpm_pcd_adapters.server.completions import parse_completion
+from minicpm_pcd_adapters.server.errors import APIError
+from minicpm_pcd_adapters.server.guard import Guard
+from minicpm_pcd_adapters.server.jobs import engine_error, event_stream, replayed, while_connected
+from minicpm_pcd_adapters.server.metrics import ServerMetrics
+from minicpm_pcd_adapters.server.openapi import openapi_document
+from minicpm_pcd_adapters.server.protocol import (
     ClassifyCall,
     GenerateCall,
     RequestLimits,
@@ -56,12 +61,7 @@ from minicpm_pcd_adapters.openai_protocol import (
     nth_sampling,
     parse_request,
 )
-from minicpm_pcd_adapters.server_calibrations import Calibrations
-from minicpm_pcd_adapters.server_guard import Guard
-from minicpm_pcd_adapters.server_jobs import engine_error, event_stream, replayed, while_connected
-from minicpm_pcd_adapters.server_metrics import ServerMetrics
-from minicpm_pcd_adapters.server_openapi import openapi_document
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Generation, InputError, PCDEngine, PCDError, PCDResult, __version__
 
 log = logging.getLogger("minicpm_pcd.server")
@@ -303,7 +303,7 @@ async def _generated_chunks(
 
 
 def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
-    """The ASGI app serving `engine` (run it with uvicorn, or `serve`)."""
+    """The ASGI app serving `engine` (run it with uvicorn)."""
     settings.check()
     calibrations = Calibrations(engine, settings.calibrations)  # a mismatch fails before serving
     metrics = ServerMetrics(queue_depth=lambda: batcher.depth)

@@ -1,6 +1,6 @@
 """The server's OpenAPI document: the request and response bodies `pcd serve` really reads and writes.
 
-The routes read raw bodies (`openai_protocol.py` checks them, with OpenAI's error messages), so
+The routes read raw bodies (`server/protocol.py` checks them, with OpenAI's error messages), so
 FastAPI cannot see their shapes; this module describes them with Pydantic models and writes the
 document served at `/openapi.json`: the Chat Completions and Completions requests
 (`ChatCompletionRequest`, `CompletionRequest`: the same models that check them, the other servers'
@@ -18,9 +18,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from minicpm_pcd_adapters.openai_completions import CompletionRequest
-from minicpm_pcd_adapters.openai_protocol import ChatCompletionRequest, RequestLimits
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.completions import CompletionRequest
+from minicpm_pcd_adapters.server.protocol import ChatCompletionRequest, RequestLimits
+from minicpm_pcd_adapters.server.settings import ServerSettings
 
 # -- response bodies ------------------------------------------------------------------------------
 

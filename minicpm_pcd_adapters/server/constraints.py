@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minicpm_pcd_adapters.openai_errors import APIError
+from minicpm_pcd_adapters.server.errors import APIError
 from pcd_engine import Grammar
 
 CHOICE_FIELD = "choice"

@@ -17,7 +17,7 @@ from typing import Any
 
 from ray import serve
 
-from minicpm_pcd_adapters.server_settings import ServerSettings
+from minicpm_pcd_adapters.server.settings import ServerSettings
 
 
 @serve.ingress()
@@ -25,8 +25,8 @@ class PCDReplica:
     """One replica: loads the engine, then serves `create_app(engine, settings)` (built on the replica)."""
 
     def __init__(self, model: str, settings: ServerSettings, engine_options: Mapping[str, Any]) -> None:
-        from minicpm_pcd_adapters.loaders import load_engine
-        from minicpm_pcd_adapters.server import create_app
+        from minicpm_pcd_adapters.by_name import load_engine
+        from minicpm_pcd_adapters.server.app import create_app
 
         self.asgi = create_app(load_engine(model, **dict(engine_options)), settings)
 

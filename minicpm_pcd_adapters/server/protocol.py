@@ -1,5 +1,5 @@
 """The OpenAI Chat Completions protocol as `pcd serve` reads it: a request body checked into a call
-(`openai_answers.py` writes the answers). No web framework and no model here.
+(`server/answers.py` writes the answers). No web framework and no model here.
 
 `parse_request(body, limits)` reads the JSON body (Pydantic checks its shape) and returns one of:
 - `ClassifyCall`: a `json_schema` response format, or a forced tool call (one function, named by
@@ -28,13 +28,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_pcd_adapters.messages import structured_request
-from minicpm_pcd_adapters.openai_errors import APIError, read_body
-from minicpm_pcd_adapters.openai_structured import (
+from minicpm_pcd_adapters.server.constraints import (
     ConstrainedDecoding,
     Constraint,
     choice_schema,
     read_constraint,
 )
+from minicpm_pcd_adapters.server.errors import APIError, read_body
 from pcd_engine import Grammar, RawPrompt, Sampling
 
 
