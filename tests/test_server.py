@@ -557,7 +557,8 @@ def test_a_schema_whose_values_cannot_be_told_apart_by_this_tokenizer_is_a_400(s
         "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "Odd", "schema": schema}},
     }
-    answer = httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    headers = {"Authorization": f"Bearer {KEY}"}
+    answer = httpx.post(server + "/v1/chat/completions", json=body, headers=headers)
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["code"] == "unsupported_schema" and "prefix of another" in error["message"]
