@@ -1,5 +1,8 @@
-"""OpenAI Chat Completions answers as `pcd serve` writes them: completion and chunk objects, usage,
-structured answers with the `pcd` extension and standard `logprobs`. No web framework, no model."""
+"""The answers `pcd serve` writes, built from the models of `protocol.py` (the ones `/openapi.json`
+publishes): completions and stream chunks, usage, structured answers with the `pcd` extension and
+standard `logprobs`, and the same choices written as `/v1/completions` text. No web framework, no
+model: `Completion.body` / `.chunk` give the JSON.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +12,44 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from minicpm_pcd_adapters.server.completions import text_body, text_chunk
+from minicpm_pcd_adapters.server import calls
 from minicpm_pcd_adapters.server.constraints import CHOICE_FIELD
-from minicpm_pcd_adapters.server.protocol import ClassifyCall, ToolCall
+from minicpm_pcd_adapters.server.protocol import (
+    AssistantMessage,
+    CalibrationUsed,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    Delta,
+    FieldAnswer,
+    FinishReason,
+    FunctionCall,
+    Logprobs,
+    PCDExtension,
+    PromptTokensDetails,
+    StreamedToolCall,
+    TextChoice,
+    TextCompletion,
+    TextLogprobs,
+    ToolCall,
+    ToolDecisionExtension,
+    TopLogprob,
+    Usage,
+    dump,
+)
+from minicpm_pcd_adapters.server.protocol import TokenLogprob as LogprobEntry
 from pcd_engine import FieldResult, Generation, PCDResult, TokenLogprob, ToolCallResult
+
+LOWEST_LOGPROB = -9999.0  # what a probability of 0 is written as (JSON has no -inf)
 
 
 @dataclass
 class Completion:
     """One response: its id, creation time and model, then its choices (one per `n`). With `text`,
-    written as a `/v1/completions` answer (`server/completions.py`)."""
+    written as a `/v1/completions` answer."""
 
     model: str
     text: bool = False
@@ -30,119 +59,96 @@ class Completion:
     def __post_init__(self) -> None:
         self.id = self.id or ("cmpl-" if self.text else "chatcmpl-") + secrets.token_hex(12)
 
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    def body(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         if self.text:
-            return text_body(self.id, self.created, self.model, choices, usage)
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage,
-            "system_fingerprint": None,
-        }
+            texts = [_text_choice(c, c.message.content or "") for c in choices]
+            return dump(TextCompletion(object="text_completion", choices=texts, usage=usage, **self._head()))
+        return dump(ChatCompletion(object="chat.completion", choices=choices, usage=usage, **self._head()))
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
-        if usage is not None:
-            out["usage"] = usage
-        return text_chunk(out) if self.text else out
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> dict[str, Any]:
+        """A stream chunk; `usage` only on the last one (`stream_options.include_usage`)."""
+        extra: dict[str, Any] = {} if usage is None else {"usage": usage}  # left out, not null
+        if self.text:
+            texts = [_text_choice(c, c.delta.content or "") for c in choices]
+            return dump(TextCompletion(object="text_completion", choices=texts, **self._head(), **extra))
+        chunk = ChatCompletionChunk(object="chat.completion.chunk", choices=choices, **self._head(), **extra)
+        return dump(chunk)
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": None}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
 
 
-def classified_message(call: ClassifyCall, result: PCDResult[Any], index: int) -> dict[str, Any]:
-    """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension."""
+def classified_message(
+    call: calls.ClassifyCall, result: PCDResult[Any], index: int, calibration: CalibrationUsed | None = None
+) -> Choice:
+    """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension, which
+    names the calibration applied (None: none)."""
     answer = result.to_json()
     arguments = json.dumps(answer["value"], ensure_ascii=False)
     if call.answer == "choice":  # vLLM's `choice`: the chosen string alone
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": answer["value"][CHOICE_FIELD],
-            "refusal": None,
-        }
+        message = AssistantMessage(role="assistant", content=answer["value"][CHOICE_FIELD], refusal=None)
     elif call.tool is None:
-        message = {"role": "assistant", "content": arguments, "refusal": None}
+        message = AssistantMessage(role="assistant", content=arguments, refusal=None)
     else:
-        message = {
-            "role": "assistant",
-            "content": None,
-            "refusal": None,
-            "tool_calls": [
-                {
-                    "id": f"call_{secrets.token_hex(12)}",
-                    "type": "function",
-                    "function": {"name": call.tool, "arguments": arguments},
-                }
-            ],
-        }
+        function = FunctionCall(name=call.tool, arguments=arguments)
+        message = AssistantMessage(
+            role="assistant", content=None, refusal=None, tool_calls=[_tool_call(function)]
+        )
     d = result.diagnostics
-    extension = {
-        "fields": answer["fields"],
-        "needs_review": result.needs_review,
-        "abstained_fields": result.abstained_fields,
-        "forward_calls": d.forward_calls,
-        "cached_tokens": d.cached_tokens,
-    }
-    finish = "stop" if call.tool is None else "tool_calls"
+    extension = PCDExtension(
+        fields={path: FieldAnswer(**f) for path, f in answer["fields"].items()},
+        needs_review=result.needs_review,
+        abstained_fields=result.abstained_fields,
+        forward_calls=d.forward_calls,
+        cached_tokens=d.cached_tokens,
+        calibration=calibration,
+    )
     fields = list(result.fields.values())
     as_text = call.answer == "choice"
-    logprobs = (
-        None
-        if call.logprobs is None
-        else scored_logprobs(fields, result.token_logprobs, call.logprobs, as_text)
-    )
-    return {
-        "index": index,
-        "message": message,
-        "finish_reason": finish,
-        "logprobs": logprobs,
-        "pcd": extension,
-    }
+    logprobs = None
+    if call.logprobs is not None:
+        logprobs = scored_logprobs(fields, result.token_logprobs, call.logprobs, as_text)
+    finish: FinishReason = "stop" if call.tool is None else "tool_calls"
+    return Choice(index=index, message=message, finish_reason=finish, logprobs=logprobs, pcd=extension)
 
 
-def tool_message(call: ToolCall, result: ToolCallResult, index: int) -> dict[str, Any]:
+def tool_message(call: calls.ToolCall, result: ToolCallResult, index: int) -> Choice:
     """The choice of a tool decision: one `tool_calls` entry, or the text answer; `pcd` holds the
     decision's probabilities (every tool's, "" for the text answer) and the scored arguments."""
-    message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+    message = AssistantMessage(role="assistant", content=result.text, refusal=None)
     if result.tool is not None:
         arguments = json.dumps(result.arguments or {}, ensure_ascii=False)
-        function = {"name": result.tool, "arguments": arguments}
-        message["tool_calls"] = [
-            {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
-        ]
-    extension = result.to_json()
-    extension["probabilities"] = {k if k is not None else "": p for k, p in result.probabilities.items()}
+        message.tool_calls = [_tool_call(FunctionCall(name=result.tool, arguments=arguments))]
+    decision = result.to_json()
+    decision["probabilities"] = {k if k is not None else "": p for k, p in result.probabilities.items()}
     decided = [result.decision] if result.decision is not None else []
     fields = [*decided, *result.fields.values()]
     logprobs = None if call.logprobs is None else scored_logprobs(fields, result.logprobs, call.logprobs)
-    return {
-        "index": index,
-        "message": message,
-        "finish_reason": result.finish_reason,
-        "logprobs": logprobs,
-        "pcd": extension,
-    }
+    return Choice(
+        index=index,
+        message=message,
+        finish_reason=cast(FinishReason, result.finish_reason),
+        logprobs=logprobs,
+        pcd=ToolDecisionExtension(**decision),
+    )
+
+
+def _tool_call(function: FunctionCall) -> ToolCall:
+    return ToolCall(id=f"call_{secrets.token_hex(12)}", type="function", function=function)
 
 
 def scored_logprobs(
     fields: Sequence[FieldResult], generated: Sequence[TokenLogprob] | None, top: int, as_text: bool = False
-) -> dict[str, Any]:
+) -> Logprobs:
     """OpenAI's `choice.logprobs` for a structured answer or a tool decision. First, per scored
     field in answer order, one entry whose `token` is the chosen value as written in the JSON answer
     and whose `logprob` is the log of its (calibrated) probability; `top_logprobs` lists the field's
@@ -151,57 +157,102 @@ def scored_logprobs(
     its `top` alternatives. `as_text`: string values written as themselves (a `choice` answer), not
     as JSON."""
 
-    def entry(value: Any, p: float) -> dict[str, Any]:
+    def entry(value: Any, p: float) -> TopLogprob:
         written = value if as_text and isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return _entry(written, math.log(p) if p > 0 else -9999.0)
+        return _entry(written, math.log(p) if p > 0 else LOWEST_LOGPROB)
 
     content = []
     for f in fields:
         if f.source != "scored":
             continue
         ranked = sorted(f.probabilities.items(), key=lambda kv: -kv[1])[:top]
-        content.append(
-            {**entry(f.value, f.probabilities[f.value]), "top_logprobs": [entry(v, p) for v, p in ranked]}
-        )
-    return {"content": content + token_logprobs(generated or (), top)["content"], "refusal": None}
+        chosen = entry(f.value, f.probabilities[f.value])
+        content.append(_with_top(chosen, [entry(v, p) for v, p in ranked]))
+    return Logprobs(content=content + (token_logprobs(generated or (), top).content or []), refusal=None)
 
 
-def token_logprobs(tokens: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+def token_logprobs(tokens: Sequence[TokenLogprob], top: int) -> Logprobs:
     """OpenAI's `logprobs` object for generated tokens, with at most `top` alternatives each."""
     content = [
-        {**_entry(t.token, t.logprob), "top_logprobs": [_entry(text, p) for text, p in t.top[:top]]}
-        for t in tokens
+        _with_top(_entry(t.token, t.logprob), [_entry(text, p) for text, p in t.top[:top]]) for t in tokens
     ]
-    return {"content": content, "refusal": None}
+    return Logprobs(content=content, refusal=None)
 
 
-def _entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode())}
+def _entry(token: str, logprob: float) -> TopLogprob:
+    return TopLogprob(token=token, logprob=max(logprob, LOWEST_LOGPROB), bytes=list(token.encode()))
 
 
-def classified_usage(results: list[PCDResult[Any]], n: int = 1) -> dict[str, Any]:
+def _with_top(entry: TopLogprob, top: list[TopLogprob]) -> LogprobEntry:
+    return LogprobEntry(**entry.model_dump(), top_logprobs=top)
+
+
+def classified_usage(results: list[PCDResult[Any]], n: int = 1) -> Usage:
     """Usage of answers given `n` per input: each input's prompt counted once."""
     d = [r.diagnostics for r in results]
     prompt, cached = sum(x.prompt_tokens for x in d[::n]), sum(x.cached_tokens for x in d[::n])
     return usage(prompt, sum(x.generated_tokens for x in d), cached)
 
 
-def generated_choice(answer: Generation, index: int, top: int | None = None) -> dict[str, Any]:
+def generated_choice(answer: Generation, index: int, top: int | None = None) -> Choice:
     """A plain chat choice; with `top` (not None), its tokens' `logprobs` with `top` alternatives."""
-    message = {"role": "assistant", "content": answer.text, "refusal": None}
+    message = AssistantMessage(role="assistant", content=answer.text, refusal=None)
     logprobs = None if answer.logprobs is None or top is None else token_logprobs(answer.logprobs, top)
-    return {"index": index, "message": message, "finish_reason": answer.finish_reason, "logprobs": logprobs}
+    finish = cast(FinishReason, answer.finish_reason)
+    return Choice(index=index, message=message, finish_reason=finish, logprobs=logprobs)
 
 
-def choice_delta(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+def choice_delta(
+    index: int, delta: Delta, finish_reason: str | None = None, logprobs: Logprobs | None = None
+) -> ChunkChoice:
     """One choice of a stream chunk."""
-    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    finish = cast(FinishReason | None, finish_reason)
+    return ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
 
 
-def delta_chunks(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
-    """A whole message as stream deltas: the role, then the content or the tool call."""
-    if message.get("tool_calls"):
-        delta: dict[str, Any] = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+def delta_chunks(answer: Choice) -> list[ChunkChoice]:
+    """A whole answer as stream choices: the role, then the content or the tool call (with the
+    answer's `logprobs`), then the finish reason with the `pcd` extension."""
+    message, index = answer.message, answer.index
+    if message.tool_calls:
+        delta = Delta(tool_calls=[StreamedToolCall(index=0, **message.tool_calls[0].model_dump())])
     else:
-        delta = {"content": message["content"]}
-    return [choice_delta(index, {"role": "assistant", "content": ""}), choice_delta(index, delta)]
+        delta = Delta(content=message.content)
+    end = choice_delta(index, Delta(), answer.finish_reason)
+    if "pcd" in answer.model_fields_set:
+        end.pcd = answer.pcd
+    return [
+        choice_delta(index, Delta(role="assistant", content="")),
+        choice_delta(index, delta, logprobs=answer.logprobs),
+        end,
+    ]
+
+
+def _text_choice(choice: Choice | ChunkChoice, text: str) -> TextChoice:
+    """A chat-shaped choice written as a text completion's: its text, Completions-style logprobs."""
+    out = TextChoice(
+        index=choice.index,
+        text=text,
+        logprobs=_text_logprobs(choice.logprobs),
+        finish_reason=choice.finish_reason,  # type: ignore[arg-type]  # never tool_calls here
+    )
+    if "pcd" in choice.model_fields_set:
+        out.pcd = choice.pcd  # type: ignore[assignment]  # a structured answer's
+    return out
+
+
+def _text_logprobs(logprobs: Logprobs | None) -> TextLogprobs | None:
+    """Chat `logprobs` (`content` entries) in the Completions form, offsets into the answer's text."""
+    if logprobs is None:
+        return None
+    entries = logprobs.content or []
+    offsets, at = [], 0
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry.token)
+    return TextLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        text_offset=offsets,
+    )

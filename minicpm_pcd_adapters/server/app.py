@@ -47,13 +47,7 @@ from minicpm_pcd_adapters.server.answers import (
 )
 from minicpm_pcd_adapters.server.batching import Batcher, QueueFull
 from minicpm_pcd_adapters.server.calibrations import Calibrations
-from minicpm_pcd_adapters.server.completions import parse_completion
-from minicpm_pcd_adapters.server.errors import APIError
-from minicpm_pcd_adapters.server.guard import Guard
-from minicpm_pcd_adapters.server.jobs import engine_error, event_stream, replayed, while_connected
-from minicpm_pcd_adapters.server.metrics import ServerMetrics
-from minicpm_pcd_adapters.server.openapi import openapi_document
-from minicpm_pcd_adapters.server.protocol import (
+from minicpm_pcd_adapters.server.calls import (
     ClassifyCall,
     GenerateCall,
     RequestLimits,
@@ -61,8 +55,35 @@ from minicpm_pcd_adapters.server.protocol import (
     nth_sampling,
     parse_request,
 )
+from minicpm_pcd_adapters.server.completions import parse_completion
+from minicpm_pcd_adapters.server.errors import APIError
+from minicpm_pcd_adapters.server.guard import Guard
+from minicpm_pcd_adapters.server.jobs import (
+    engine_error,
+    event_stream,
+    replayed,
+    while_connected,
+)
+from minicpm_pcd_adapters.server.metrics import ServerMetrics
+from minicpm_pcd_adapters.server.openapi import openapi_document
+from minicpm_pcd_adapters.server.protocol import (
+    Choice,
+    Delta,
+    Health,
+    ModelCard,
+    ModelList,
+    Usage,
+    dump,
+)
 from minicpm_pcd_adapters.server.settings import ServerSettings
-from pcd_engine import Generation, InputError, PCDEngine, PCDError, PCDResult, __version__
+from pcd_engine import (
+    Generation,
+    InputError,
+    PCDEngine,
+    PCDError,
+    PCDResult,
+    __version__,
+)
 
 log = logging.getLogger("minicpm_pcd.server")
 
@@ -168,9 +189,8 @@ class Completions:
         for result in results:
             if isinstance(result, PCDError):
                 raise engine_error(result, "prompt" if call.prompts else "messages")
-        answers = [classified_message(call, r, i) for i, r in enumerate(results)]
-        for answer in answers:
-            answer["pcd"]["calibration"] = self.calibrations.describe(call.calibration)
+        used = self.calibrations.describe(call.calibration)
+        answers = [classified_message(call, r, i, used) for i, r in enumerate(results)]
         return _answered(call, answers, classified_usage(results, call.n))
 
     async def _check_grammar(self, call: GenerateCall) -> None:
@@ -284,17 +304,17 @@ async def _generated_chunks(
             index, piece = item
             if index not in opened:
                 opened.add(index)
-                yield completion.chunk([choice_delta(index, {"role": "assistant", "content": ""})])
+                yield completion.chunk([choice_delta(index, Delta(role="assistant", content=""))])
             if piece.text or piece.logprobs:
-                delta = choice_delta(index, {"content": piece.text})
+                logprobs = None
                 if piece.logprobs is not None:
-                    delta["logprobs"] = token_logprobs(piece.logprobs, call.logprobs or 0)
-                yield completion.chunk([delta])
+                    logprobs = token_logprobs(piece.logprobs, call.logprobs or 0)
+                yield completion.chunk([choice_delta(index, Delta(content=piece.text), logprobs=logprobs)])
             if piece.finish_reason is not None:
                 if index % call.n == 0:  # each prompt counted once
                     prompt_tokens += piece.prompt_tokens or 0
                 completion_tokens += piece.completion_tokens or 0
-                yield completion.chunk([choice_delta(index, {}, piece.finish_reason)])
+                yield completion.chunk([choice_delta(index, Delta(), piece.finish_reason)])
             item = await pieces.get()
         if call.include_usage:
             yield completion.chunk([], usage(prompt_tokens, completion_tokens))
@@ -351,29 +371,29 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_name, "queue_depth": batcher.depth}
+        return dump(Health(status="ok", model=settings.model_name, queue_depth=batcher.depth))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": settings.model_name, "object": "model", "created": created, "owned_by": "minicpm-pcd"}
+    def model_card() -> ModelCard:
+        return ModelCard(id=settings.model_name, object="model", created=created, owned_by="minicpm-pcd")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return dump(ModelList(object="list", data=[model_card()]))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != settings.model_name:
             message = f"the model {model_id!r} does not exist"
             raise APIError(404, message, param="model", code="model_not_found")
-        return model_card()
+        return dump(model_card())
 
     @app.get("/v1/calibrations")
     async def calibration_list() -> dict[str, Any]:
-        return {"object": "list", "data": calibrations.listing()}
+        return dump(calibrations.listing())
 
     app.post("/v1/chat/completions")(completions.answer)
     app.post("/v1/completions")(completions.answer_text)
@@ -386,22 +406,13 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _answered(
-    call: ClassifyCall | ToolCall, answers: list[dict[str, Any]], tokens: dict[str, Any]
-) -> Response:
+def _answered(call: ClassifyCall | ToolCall, answers: list[Choice], tokens: Usage) -> Response:
     """Whole answers as one completion, or replayed as stream events: a structured answer or a
     decision is known only when whole, so each choice is one content (or tool call) chunk."""
     completion = Completion(call.model, isinstance(call, ClassifyCall) and bool(call.prompts))
     if not call.stream:
         return JSONResponse(completion.body(answers, tokens))
-    chunks = []
-    for answer in answers:
-        index = answer["index"]
-        deltas = delta_chunks(answer["message"], index)
-        deltas[-1]["logprobs"] = answer["logprobs"]  # on the chunk that carries the content
-        chunks += [completion.chunk([delta]) for delta in deltas]
-        end = choice_delta(index, {}, answer["finish_reason"])
-        chunks.append(completion.chunk([{**end, "pcd": answer["pcd"]}]))
+    chunks = [completion.chunk([choice]) for answer in answers for choice in delta_chunks(answer)]
     if call.include_usage:
         chunks.append(completion.chunk([], tokens))
     return event_stream(replayed(chunks))

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from minicpm_pcd_adapters.server.protocol import (
+    CalibrationCard,
+    CalibrationList,
+    CalibrationUsed,
+)
 from pcd_engine import Calibration, CalibrationError, PCDEngine, SchemaPlan
 
 
@@ -44,21 +48,22 @@ class Calibrations:
             return name
         return None
 
-    def describe(self, name: str | None) -> dict[str, Any] | None:
+    def describe(self, name: str | None) -> CalibrationUsed | None:
         """What `choice.pcd.calibration` says: the name and each field's method (None: none matched)."""
         if name is None:
             return None
         fields = self.by_name[name].fields
-        return {"name": name, "methods": {path: f.method for path, f in fields.items()}}
+        return CalibrationUsed(name=name, methods={path: f.method for path, f in fields.items()})
 
-    def listing(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "id": name,
-                "object": "calibration",
-                "schema": c.schema,
-                "model": c.model.name,
-                "methods": {path: f.method for path, f in c.fields.items()},
-            }
+    def listing(self) -> CalibrationList:
+        cards = [
+            CalibrationCard(
+                id=name,
+                object="calibration",
+                schema=c.schema,
+                model=c.model.name,
+                methods={path: f.method for path, f in c.fields.items()},
+            )
             for name, c in self.by_name.items()
         ]
+        return CalibrationList(object="list", data=cards)

@@ -2,15 +2,14 @@
 serves it: `prompt` (a string or a list) is continued as written, with no chat template, so base
 checkpoints answer too. No web framework and no model here.
 
-`parse_completion(body, limits)` returns the same calls as chat (`server/protocol.py`), with the
+`parse_completion(body, limits)` returns the same calls as chat (`calls.py`), with the
 prompts as raw inputs:
 - a `ClassifyCall` for a choice or a JSON schema (`server/constraints.py`, or `response_format`):
   every prompt of the list in one `classify_batch`, each answered right after its prompt;
 - a `GenerateCall` otherwise (plain, regex, grammar or JSON-object generation).
-The answers the server builds for chat are written in this protocol's shape by `text_body` and
-`text_chunk`: `text` instead of a message, and `logprobs` as `tokens`, `token_logprobs`,
-`top_logprobs` and `text_offset`. A list of prompts answers with one choice per prompt (`n` each),
-in order.
+The answers are written in this protocol's shape by `answers.py` (`TextCompletion`): `text` instead
+of a message, and `logprobs` as `tokens`, `token_logprobs`, `top_logprobs` and `text_offset`. A list
+of prompts answers with one choice per prompt (`n` each), in order.
 
 >>> call = parse_completion({"model": "m", "prompt": ["A", "B"]}, RequestLimits())
 >>> type(call).__name__, call.prompts, call.max_tokens
@@ -21,52 +20,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
-
+from minicpm_pcd_adapters.server.calls import (
+    ClassifyCall,
+    GenerateCall,
+    RequestLimits,
+    format_schema,
+    refuse_beyond_limits,
+    request_sampling,
+)
 from minicpm_pcd_adapters.server.constraints import (
-    ConstrainedDecoding,
     Constraint,
     choice_schema,
     read_constraint,
 )
 from minicpm_pcd_adapters.server.errors import APIError, read_body
-from minicpm_pcd_adapters.server.protocol import (
-    ClassifyCall,
-    GenerateCall,
-    PCDOptions,
-    RequestLimits,
-    ResponseFormat,
-    StreamOptions,
-    format_schema,
-    refuse_beyond_limits,
-    request_sampling,
-)
+from minicpm_pcd_adapters.server.protocol import DEFAULT_MAX_TOKENS, CompletionRequest
 from pcd_engine import RawPrompt
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
-
-
-class CompletionRequest(ConstrainedDecoding):
-    model: str
-    prompt: str | list[str] | list[int] | list[list[int]]  # token ids: refused with a clear 400
-    suffix: str | None = None
-    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=1, ge=1)
-    best_of: int | None = Field(default=None, ge=1)
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool | None = False
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    user: str | None = None
-    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
-    pcd: PCDOptions | None = None
 
 
 def parse_completion(body: Any, limits: RequestLimits) -> ClassifyCall | GenerateCall:
@@ -141,56 +110,3 @@ def _constraint(request: CompletionRequest) -> Constraint | None:
     if format_.type == "json_object":
         return Constraint("json_object", None, "response_format")
     return Constraint("json", format_schema(format_), "response_format.json_schema.schema")
-
-
-# -- answers: chat-shaped choices written as text completions ---------------------------------------
-
-
-def text_body(
-    completion_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any
-) -> dict:
-    """A `text_completion` object from chat-shaped choices (a `message`, chat `logprobs`)."""
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_text_choice(c, c["message"].get("content") or "") for c in choices],
-        "usage": usage,
-        "system_fingerprint": None,
-    }
-
-
-def text_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
-    """A chat stream chunk written as a `text_completion` chunk (a delta's content as `text`)."""
-    choices = [_text_choice(c, c["delta"].get("content") or "") for c in chunk["choices"]]
-    return {**chunk, "object": "text_completion", "choices": choices}
-
-
-def _text_choice(choice: dict[str, Any], text: str) -> dict[str, Any]:
-    out = {
-        "index": choice["index"],
-        "text": text,
-        "logprobs": _text_logprobs(choice.get("logprobs")),
-        "finish_reason": choice["finish_reason"],
-    }
-    if "pcd" in choice:
-        out["pcd"] = choice["pcd"]
-    return out
-
-
-def _text_logprobs(logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Chat `logprobs` (`content` entries) in the Completions form, offsets into the answer's text."""
-    if logprobs is None:
-        return None
-    entries = logprobs["content"]
-    offsets, at = [], 0
-    for entry in entries:
-        offsets.append(at)
-        at += len(entry["token"])
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
-    }

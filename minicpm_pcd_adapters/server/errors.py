@@ -1,5 +1,6 @@
-"""OpenAI's error body, which every non-2xx answer of `pcd serve` carries, and reading a request body
-into its model with the error for one of the wrong shape (a leaf: no import from this package)."""
+"""OpenAI's error body (`ErrorBody`), which every non-2xx answer of `pcd serve` carries, and reading a
+request body into its model with the error for one of the wrong shape (a leaf: no import from this
+package)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ from typing import Any, TypeVar, get_args
 from pydantic import BaseModel, ValidationError
 
 Body = TypeVar("Body", bound=BaseModel)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, answered for every status other than 2xx."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -27,7 +41,8 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorBody(error=detail).model_dump(mode="json")
 
 
 def shape_error(error: ValidationError, model: type[BaseModel] | None = None) -> APIError:

@@ -1,12 +1,11 @@
 """The server's OpenAPI document: the request and response bodies `pcd serve` really reads and writes.
 
-The routes read raw bodies (`server/protocol.py` checks them, with OpenAI's error messages), so
-FastAPI cannot see their shapes; this module describes them with Pydantic models and writes the
-document served at `/openapi.json`: the Chat Completions and Completions requests
-(`ChatCompletionRequest`, `CompletionRequest`: the same models that check them, the other servers'
-constrained-decoding fields included), the answers with their `pcd` extension and `logprobs`, the
-streams, OpenAI's
-error body for every status a route can answer, and the bearer key on every path but `/health`.
+The routes read raw bodies (`calls.py` checks them, with OpenAI's error messages), so FastAPI cannot
+see their shapes; this module writes the document served at `/openapi.json` from the models of
+`protocol.py`, the same ones that check the requests and build the answers: the Chat Completions
+and Completions requests, the answers with their `pcd` extension and `logprobs`, the streams,
+OpenAI's error body (`errors.ErrorBody`) for every status a route can answer, and the bearer key on
+every path but `/health`.
 Schemathesis fuzzes the server from this document (tests/test_server_fuzz.py).
 """
 
@@ -15,225 +14,23 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from minicpm_pcd_adapters.server.completions import CompletionRequest
-from minicpm_pcd_adapters.server.protocol import ChatCompletionRequest, RequestLimits
+from minicpm_pcd_adapters.server.calls import RequestLimits
+from minicpm_pcd_adapters.server.errors import ErrorBody
+from minicpm_pcd_adapters.server.protocol import (
+    CalibrationList,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Health,
+    ModelCard,
+    ModelList,
+    TextCompletion,
+)
 from minicpm_pcd_adapters.server.settings import ServerSettings
-
-# -- response bodies ------------------------------------------------------------------------------
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error body, answered for every status other than 2xx."""
-
-    error: ErrorDetail
-
-
-class Health(BaseModel):
-    status: Literal["ok"]
-    model: str
-    queue_depth: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class CalibrationCard(BaseModel):
-    id: str
-    object: Literal["calibration"]
-    schema_: str = Field(alias="schema", description="the fingerprint of the plan it was fitted for")
-    model: str
-    methods: dict[str, str]
-
-
-class CalibrationList(BaseModel):
-    object: Literal["list"]
-    data: list[CalibrationCard]
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class Logprobs(BaseModel):
-    """Per scored field its value, then the generated tokens (docs/server.md#standard-logprobs)."""
-
-    content: list[TokenLogprob] | None
-    refusal: None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None
-    refusal: None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class FieldAnswer(BaseModel):
-    """One field of the `pcd` extension: scored fields carry the rest, generated ones only the value."""
-
-    value: Any
-    source: Literal["scored", "generated"]
-    probabilities: dict[str, float] | None = None
-    margin: float | None = None
-    rule: str | None = None
-    rescored: bool | None = None
-    calibration: str | None = None
-    abstained: bool | None = None
-
-
-class CalibrationUsed(BaseModel):
-    name: str
-    methods: dict[str, str]
-
-
-class PCDExtension(BaseModel):
-    """`choice.pcd` of a structured answer (docs/server.md#the-pcd-extension)."""
-
-    fields: dict[str, FieldAnswer]
-    needs_review: bool
-    abstained_fields: list[str]
-    forward_calls: int
-    cached_tokens: int
-    calibration: CalibrationUsed | None
-
-
-class ToolDecisionExtension(BaseModel):
-    """`choice.pcd` of a tool decision: the tool called (null: a text answer), every allowed tool's
-    probability ("" for the text answer), the decision and the chosen tool's arguments as fields."""
-
-    tool: str | None
-    probabilities: dict[str, float]
-    decision: FieldAnswer | None
-    arguments: dict[str, FieldAnswer]
-    needs_review: bool
-    abstained_fields: list[str]
-    forward_calls: int | None = None
-    cached_tokens: int | None = None
-
-
-class Choice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: Logprobs | None
-    pcd: PCDExtension | ToolDecisionExtension | None = None  # structured answers and tool decisions
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    system_fingerprint: None = None
-
-
-class StreamedToolCall(ToolCall):
-    index: int
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[StreamedToolCall] | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    finish_reason: Literal["stop", "length", "tool_calls"] | None
-    logprobs: Logprobs | None
-    pcd: PCDExtension | ToolDecisionExtension | None = None  # on the chunk with its finish_reason
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event's data (`stream: true`); the stream ends with `data: [DONE]`."""
-
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None  # on the last chunk, with stream_options.include_usage
-    system_fingerprint: None = None
-
-
-class TextLogprobs(BaseModel):
-    """`logprobs` of a text completion: per token, its text, log-probability, alternatives, offset."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class TextChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: TextLogprobs | None
-    pcd: PCDExtension | None = None  # a choice or a JSON schema answered after the prompt
-
-
-class TextCompletion(BaseModel):
-    """`POST /v1/completions`: one choice per prompt (`n` each), in order."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[TextChoice]
-    usage: Usage | None = None
-    system_fingerprint: None = None
-
 
 MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
     (ChatCompletionRequest, "validation"),

@@ -1,64 +1,35 @@
-"""The OpenAI Chat Completions protocol as `pcd serve` reads it: a request body checked into a call
-(`server/answers.py` writes the answers). No web framework and no model here.
+"""The HTTP protocol of `pcd serve`, in one place: the Pydantic models of every body it reads and
+writes, as vLLM's `protocol.py` keeps them. Requests: `ChatCompletionRequest`, `CompletionRequest`
+(the other servers' constrained-decoding fields from `constraints.py`). Answers: `ChatCompletion`,
+`ChatCompletionChunk`, `TextCompletion` with the `pcd` extension and standard `logprobs`, `Health`,
+the model and calibration lists; the error body is `errors.ErrorBody`.
 
-`parse_request(body, limits)` reads the JSON body (Pydantic checks its shape) and returns one of:
-- `ClassifyCall`: a `json_schema` response format, or a forced tool call (one function, named by
-  `tool_choice` or `"required"`): the engine classifies the conversation's text with that schema;
-- `ToolCall`: tools the model chooses between (`tool_choice` "auto", or "required" between several):
-  the engine scores which tool to call, or a text answer, and the chosen tool's closed arguments;
-- `GenerateCall`: plain chat, or `json_object` (grammar-constrained JSON).
-Anything it cannot honour raises `APIError` (HTTP 400 with OpenAI's error body: message, type, param,
-code) before any model work. The per-field scores go in an extension object on each choice,
-`choice["pcd"]`, which OpenAI clients keep as an extra attribute (`choice.pcd` in the `openai` SDK).
-
->>> call = parse_request(
-...     {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}, RequestLimits()
-... )
->>> type(call).__name__, call.messages
-('GenerateCall', [('user', 'Hi')])
+The server builds every answer from these models (`answers.py`, `dump`), and `/openapi.json`
+publishes their schemas (`openapi.py`), so the document cannot drift from what is sent. Answer models
+refuse unknown fields: a key the document does not name cannot be written.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minicpm_pcd_adapters.messages import structured_request
-from minicpm_pcd_adapters.server.constraints import (
-    ConstrainedDecoding,
-    Constraint,
-    choice_schema,
-    read_constraint,
-)
-from minicpm_pcd_adapters.server.errors import APIError, read_body
-from pcd_engine import Grammar, RawPrompt, Sampling
+from minicpm_pcd_adapters.server.constraints import ConstrainedDecoding
 
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_text_chars: int = 100_000  # all message contents together
-    max_n: int = 8
-    max_prompts: int = 256  # prompts in one /v1/completions request
-    max_completion_tokens: int = 4096  # the most a plain chat request may ask for
-
-
-# -- the request body's shape (what Pydantic checks) --------------------------------------------
+# -- requests ----------------------------------------------------------------------------------------
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema says: no coercion
 
 
-class _TextPart(_Strict):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class _MediaPart(BaseModel):
+class MediaPart(BaseModel):
     """An image, audio or file part: part of the API, refused by this text-only server with a 400
     that says so (not a shape error)."""
 
@@ -67,28 +38,28 @@ class _MediaPart(BaseModel):
     type: Literal["image_url", "input_audio", "file"]
 
 
-class _CalledFunction(BaseModel):
+class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str
     arguments: str  # JSON text, as OpenAI writes it
 
 
-class _EarlierCall(BaseModel):
+class EarlierCall(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # id, type
 
-    function: _CalledFunction
+    function: CalledFunction
 
 
-class _Message(BaseModel):
+class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal, tool_call_id: no text we use
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart | _MediaPart] | None = None
-    tool_calls: list[_EarlierCall] | None = None  # an assistant's earlier calls
+    content: str | list[TextPart | MediaPart] | None = None
+    tool_calls: list[EarlierCall] | None = None  # an assistant's earlier calls
 
 
-class _JsonSchema(_Strict):
+class JsonSchema(_Strict):
     name: str | None = Field(default=None, min_length=1, max_length=64)  # optional, as vLLM takes it
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
@@ -97,28 +68,28 @@ class _JsonSchema(_Strict):
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: _JsonSchema | None = None
+    json_schema: JsonSchema | None = None
 
 
-class _Function(_Strict):
+class Function(_Strict):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     strict: bool | None = None
 
 
-class _Tool(_Strict):
+class Tool(_Strict):
     type: Literal["function"]
-    function: _Function
+    function: Function
 
 
-class _FunctionName(_Strict):
+class FunctionName(_Strict):
     name: str
 
 
-class _NamedToolChoice(_Strict):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
-    function: _FunctionName
+    function: FunctionName
 
 
 class StreamOptions(_Strict):
@@ -134,10 +105,10 @@ class PCDOptions(_Strict):
 
 class ChatCompletionRequest(ConstrainedDecoding):
     model: str
-    messages: list[_Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     response_format: ResponseFormat | None = None
-    tools: list[_Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | _NamedToolChoice | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -160,279 +131,239 @@ class ChatCompletionRequest(ConstrainedDecoding):
     pcd: PCDOptions | None = None
 
 
-# -- what a request asks of the engine ----------------------------------------------------------
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 
 
-@dataclass(frozen=True)
-class ClassifyCall:
-    """Classify `text` with `schema` (a JSON-schema dict, or a function definition for a tool call)."""
-
+class CompletionRequest(ConstrainedDecoding):
     model: str
-    schema: dict[str, Any]
-    instructions: str | None
+    prompt: str | list[str] | list[int] | list[list[int]]  # token ids: refused with a clear 400
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=1, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
+    pcd: PCDOptions | None = None
+
+
+# -- answers -----------------------------------------------------------------------------------------
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def dump(answer: BaseModel) -> dict[str, Any]:
+    """The JSON body of an answer: the fields it was given (None included), none it was not."""
+    return answer.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+class Health(_Answer):
+    status: Literal["ok"]
+    model: str
+    queue_depth: int
+
+
+class ModelCard(_Answer):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(_Answer):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class CalibrationCard(_Answer):
+    id: str
+    object: Literal["calibration"]
+    schema_: str = Field(alias="schema", description="the fingerprint of the plan it was fitted for")
+    model: str
+    methods: dict[str, str]
+
+
+class CalibrationList(_Answer):
+    object: Literal["list"]
+    data: list[CalibrationCard]
+
+
+class TopLogprob(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class Logprobs(_Answer):
+    """Per scored field its value, then the generated tokens (docs/server.md#standard-logprobs)."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCall(_Answer):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Answer):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(_Answer):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FieldAnswer(_Answer):
+    """One field of the `pcd` extension: scored fields carry the rest, generated ones only the value."""
+
+    value: Any
+    source: Literal["scored", "generated"]
+    probabilities: dict[str, float] | None = None
+    margin: float | None = None
+    rule: str | None = None
+    rescored: bool | None = None
+    calibration: str | None = None
+    abstained: bool | None = None
+
+
+class CalibrationUsed(_Answer):
+    name: str
+    methods: dict[str, str]
+
+
+class PCDExtension(_Answer):
+    """`choice.pcd` of a structured answer (docs/server.md#the-pcd-extension)."""
+
+    fields: dict[str, FieldAnswer]
+    needs_review: bool
+    abstained_fields: list[str]
+    forward_calls: int
+    cached_tokens: int
+    calibration: CalibrationUsed | None
+
+
+class ToolDecisionExtension(_Answer):
+    """`choice.pcd` of a tool decision: the tool called (null: a text answer), every allowed tool's
+    probability ("" for the text answer), the decision and the chosen tool's arguments as fields."""
+
+    tool: str | None
+    probabilities: dict[str, float]
+    decision: FieldAnswer | None
+    arguments: dict[str, FieldAnswer]
+    needs_review: bool
+    abstained_fields: list[str]
+    forward_calls: int | None = None
+    cached_tokens: int | None = None
+
+
+class Choice(_Answer):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: Logprobs | None
+    pcd: PCDExtension | ToolDecisionExtension | None = None  # structured answers and tool decisions
+
+
+class PromptTokensDetails(_Answer):
+    cached_tokens: int
+
+
+class Usage(_Answer):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(_Answer):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class StreamedToolCall(ToolCall):
+    index: int
+
+
+class Delta(_Answer):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[StreamedToolCall] | None = None
+
+
+class ChunkChoice(_Answer):
+    index: int
+    delta: Delta
+    finish_reason: FinishReason | None
+    logprobs: Logprobs | None
+    pcd: PCDExtension | ToolDecisionExtension | None = None  # on the chunk with its finish_reason
+
+
+class ChatCompletionChunk(_Answer):
+    """One server-sent event's data (`stream: true`); the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # on the last chunk, with stream_options.include_usage
+    system_fingerprint: None = None
+
+
+class TextLogprobs(_Answer):
+    """`logprobs` of a text completion: per token, its text, log-probability, alternatives, offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TextChoice(_Answer):
+    index: int
     text: str
-    sampling: Sampling  # for generated (open) fields
-    n: int = 1
-    tool: str | None = None  # the function's name when answered as a tool call
-    abstain_below: float | None = None
-    stream: bool = False
-    include_usage: bool = False
-    schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
-    calibration: str | None = None  # the name of the loaded calibration that matched, if any
-    logprobs: int | None = None  # answer with `choice.logprobs`, k alternatives each; None: not asked
-    answer: str = "json"  # "choice": the content is the chosen value alone (vLLM's `choice`)
-    prompts: tuple[RawPrompt, ...] = ()  # /v1/completions: raw prompts, classified instead of `text`
-
-    @property
-    def layout(self) -> str:
-        return self.prompts[0].layout if self.prompts else "chat"
-
-    def inputs(self) -> list[Any]:
-        """What the engine classifies, in choice order: each prompt (or the text) `n` times."""
-        return [p for p in self.prompts or [self.text] for _ in range(self.n)]
-
-    def batch_key(self) -> tuple[Any, ...]:
-        """Requests with equal keys can share one `classify_batch` (same schema, layout, options)."""
-        schema = json.dumps(self.schema, sort_keys=True)
-        options = (self.sampling, self.abstain_below, self.calibration, self.logprobs)
-        return (schema, self.instructions, self.layout, *options)
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: TextLogprobs | None
+    pcd: PCDExtension | None = None  # a choice or a JSON schema answered after the prompt
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """Decide between `tools` (and a text answer under "auto") for the conversation `messages`
-    (role/content dicts, earlier calls as `tool_calls`): `engine.tools.call`."""
+class TextCompletion(_Answer):
+    """`POST /v1/completions`: one choice per prompt (`n` each), in order."""
 
+    id: str
+    object: Literal["text_completion"]
+    created: int
     model: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]  # OpenAI `tools` entries
-    tool_choice: str  # "auto" or "required"
-    sampling: Sampling  # for generated arguments and text answers
-    max_tokens: int
-    n: int = 1
-    abstain_below: float | None = None
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: int | None = None
-
-
-@dataclass(frozen=True)
-class GenerateCall:
-    model: str
-    messages: list[tuple[str, str]]
-    max_tokens: int
-    stop: list[str]
-    sampling: Sampling
-    json_object: bool = False
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: int | None = None  # the engine's `logprobs=`: alternatives per token, None when off
-    grammar: Grammar | None = None  # a regex or grammar constraint (xgrammar)
-    grammar_param: str | None = None  # the request parameter it came from
-    prompts: tuple[str, ...] = ()  # /v1/completions: raw prompts, continued instead of `messages`
-
-    def runs(self) -> list[tuple[Any, Sampling]]:
-        """(engine input, sampling) per choice, in choice order: each prompt (or the conversation)
-        `n` times, a given seed offset per choice so that they differ."""
-        inputs: list[Any] = [RawPrompt(p) for p in self.prompts] or [self.messages]
-        return [(item, nth_sampling(self.sampling, k)) for item in inputs for k in range(self.n)]
-
-
-def nth_sampling(sampling: Sampling, index: int) -> Sampling:
-    """The sampling of the index-th choice: a given seed is offset so that choices differ."""
-    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
-
-
-def parse_request(
-    body: Any, limits: RequestLimits, default_max_tokens: int = 512
-) -> ClassifyCall | GenerateCall | ToolCall:
-    """The call a Chat Completions body asks for; APIError (400) for anything not honoured."""
-    request = read_body(ChatCompletionRequest, body)
-    constraint = read_constraint(request)
-    if constraint is not None:
-        _alone(constraint, request)
-    decided = _tool_decision(request)
-    structured = None if decided or constraint else _structured_target(request)
-    _refuse_unsupported(request, limits)
-    messages = _message_pairs(request, limits)
-    sampling = request_sampling(request)
-    n = request.n or 1
-    stream = bool(request.stream)
-    usage = bool(request.stream_options and request.stream_options.include_usage)
-    if request.stream_options is not None and not stream:
-        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None  # the engine's `logprobs=`
-    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
-    abstain = request.pcd.abstain_below if request.pcd else None
-    if decided is not None:
-        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-        turns = _engine_messages(request, messages)
-        return ToolCall(
-            request.model, turns, tools, decided, sampling, max_tokens, n, abstain, stream, usage, logprobs
-        )
-    if constraint is not None and constraint.kind in ("choice", "json"):
-        instructions, text = structured_request(messages)
-        schema = choice_schema(constraint.value) if constraint.kind == "choice" else constraint.value
-        answer = "choice" if constraint.kind == "choice" else "json"
-        return ClassifyCall(
-            request.model, schema, instructions, text, sampling, n, None, abstain, stream, usage,
-            constraint.param, logprobs=logprobs, answer=answer,
-        )  # fmt: skip
-    if structured is not None:
-        schema, tool, param = structured
-        instructions, text = structured_request(messages)
-        return ClassifyCall(
-            request.model, schema, instructions, text, sampling, n, tool, abstain, stream, usage, param,
-            logprobs=logprobs,
-        )  # fmt: skip
-    json_object = request.response_format is not None and request.response_format.type == "json_object"
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    grammar, grammar_param = (constraint.grammar(), constraint.param) if constraint else (None, None)
-    return GenerateCall(
-        request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs,
-        grammar, grammar_param,
-    )  # fmt: skip
-
-
-def _alone(constraint: Constraint, request: ChatCompletionRequest) -> None:
-    """A 400 naming both when a constraint comes with a response format or tools to call."""
-    format_ = request.response_format
-    if format_ is not None and format_.type != "text":
-        other = "response_format"
-    elif request.tools and request.tool_choice != "none":
-        other = "tools"
-    else:
-        return
-    message = f"conflicting constraints: {other} and {constraint.param}; give one"
-    raise APIError(400, message, param=constraint.param, code="conflicting_parameters")
-
-
-def _refuse_unsupported(request: ChatCompletionRequest, limits: RequestLimits) -> None:
-    if request.top_logprobs and not request.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-    refuse_beyond_limits(request, limits, param, request.max_completion_tokens or request.max_tokens or 0)
-
-
-def refuse_beyond_limits(request: Any, limits: RequestLimits, tokens_param: str, asked: int) -> None:
-    """What chat and completions refuse alike: `logit_bias` and penalties (not supported), and more
-    tokens (`asked`, from `tokens_param`), choices or stop strings than this server allows."""
-    for name in ("logit_bias", "presence_penalty", "frequency_penalty"):
-        if getattr(request, name):  # None, 0 and {} mean "not used"
-            message = f"{name} is not supported by this server"
-            raise APIError(400, message, param=name, code="unsupported_parameter")
-    if asked > limits.max_completion_tokens:
-        message = f"{tokens_param} must be at most {limits.max_completion_tokens} on this server, got {asked}"
-        raise APIError(400, message, param=tokens_param, code="invalid_value")
-    if (request.n or 1) > limits.max_n:
-        raise APIError(
-            400, f"n must be at most {limits.max_n}, got {request.n}", param="n", code="invalid_value"
-        )
-    if isinstance(request.stop, list) and len(request.stop) > 4:
-        raise APIError(400, "stop takes at most 4 sequences", param="stop", code="invalid_value")
-
-
-def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> list[tuple[str, str]]:
-    pairs: list[tuple[str, str]] = []
-    total = 0
-    for index, message in enumerate(request.messages):
-        content = message.content
-        for number, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, _MediaPart):
-                raise APIError(
-                    400,
-                    f"this server reads text only: a {part.type!r} content part cannot be answered",
-                    param=f"messages.{index}.content.{number}",
-                    code="unsupported_content",
-                )
-        text = (
-            "".join(p.text for p in content if isinstance(p, _TextPart))
-            if isinstance(content, list)
-            else (content or "")
-        )
-        total += len(text)
-        pairs.append(("system" if message.role == "developer" else message.role, text))
-    if total > limits.max_text_chars:
-        raise APIError(
-            400,
-            f"the messages hold {total} characters, over this server's limit of {limits.max_text_chars}",
-            param="messages",
-            code="string_above_max_length",
-        )
-    return pairs
-
-
-def _tool_decision(request: ChatCompletionRequest) -> str | None:
-    """ "auto" or "required" when the model chooses between the tools (several, or one or none);
-    None for no tools, "none", or a call forced to one function (a `ClassifyCall`)."""
-    tools, choice = request.tools or [], request.tool_choice
-    if not tools or not (choice in (None, "auto") or (choice == "required" and len(tools) > 1)):
-        return None
-    if request.response_format is not None and request.response_format.type != "text":
-        raise APIError(400, "use either tools or response_format, not both", param="response_format")
-    return "auto" if choice is None else str(choice)
-
-
-def _engine_messages(request: ChatCompletionRequest, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The messages as the engine's role/content dicts, an assistant's earlier calls included."""
-    out: list[dict[str, Any]] = []
-    for message, (role, content) in zip(request.messages, pairs, strict=True):
-        entry: dict[str, Any] = {"role": role, "content": content}
-        if message.tool_calls:
-            entry["tool_calls"] = [
-                {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
-            ]
-        out.append(entry)
-    return out
-
-
-def request_sampling(request: Any) -> Sampling:
-    """Temperature, top_p and seed of a chat or text completion request."""
-    return Sampling(
-        temperature=request.temperature or 0.0,
-        top_p=request.top_p if request.top_p is not None else 1.0,
-        seed=request.seed,
-    )
-
-
-def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], str | None, str] | None:
-    """(schema, tool name or None, error param) when the request asks for a schema, else None."""
-    tools, choice, format_ = request.tools or [], request.tool_choice, request.response_format
-    if tools and choice not in (None, "none"):
-        if format_ is not None and format_.type != "text":
-            raise APIError(400, "use either tools or response_format, not both", param="response_format")
-        if isinstance(choice, _NamedToolChoice):
-            index = next((i for i, t in enumerate(tools) if t.function.name == choice.function.name), None)
-            if index is None:
-                raise APIError(
-                    400,
-                    f"tool_choice names {choice.function.name!r}, which is not in tools",
-                    param="tool_choice",
-                    code="invalid_value",
-                )
-        else:  # "required" with one tool (several, or "auto", are a ToolCall)
-            index = 0
-        function = tools[index].function
-        definition = {"name": function.name, "parameters": function.parameters or {"type": "object"}}
-        if function.description:
-            definition["description"] = function.description
-        return definition, function.name, f"tools.{index}.function.parameters"
-    if format_ is not None and format_.type == "json_schema":
-        return format_schema(format_), None, "response_format.json_schema.schema"
-    return None
-
-
-def format_schema(format_: ResponseFormat) -> dict[str, Any]:
-    """The schema of a `json_schema` response format, its name and description as the schema's
-    title and description where it has none (chat and completions alike)."""
-    if format_.json_schema is None:
-        raise APIError(
-            400, "response_format json_schema needs its json_schema object", param="response_format"
-        )
-    schema = dict(format_.json_schema.schema_)
-    if format_.json_schema.name:
-        schema.setdefault("title", format_.json_schema.name)
-    if format_.json_schema.description:
-        schema.setdefault("description", format_.json_schema.description)
-    return schema
+    choices: list[TextChoice]
+    usage: Usage | None = None
+    system_fingerprint: None = None
