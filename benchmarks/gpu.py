@@ -16,7 +16,7 @@ out/tokenizer` here, carry `out/tokenizer`, and pass `--tokenizer out/tokenizer`
     python benchmarks/gpu.py                       # everything (a few minutes on one H200)
     python benchmarks/gpu.py --dtypes bfloat16 --batch-sizes 1 64 256
     python benchmarks/gpu.py --device cpu --layers 2 --calls 4 --ar-calls 2 --batch-sizes 1 4 \
-        --dtypes float32   # smoke test, no GPU (tests/test_gpu_benchmark.py runs it)
+        --dtypes float32   # smoke test, no GPU (tests/smollm2/test_gpu_benchmark.py runs it)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 through the engine's own packed path (cached head, padded rows, branch masks) and through ordinary
 separate forward passes, one per candidate, in the model's dtype. The packed path is sound in that
 dtype when every candidate's token log-probs agree within `TOLERANCE[dtype]` and every probe decision
-is the same both ways. In FP32 the two agree to 1e-4 (tests/test_packing.py); in bf16/fp16 the same
+is the same both ways. In FP32 the two agree to 1e-4 (tests/tiny/test_packing.py); in bf16/fp16 the same
 sums are rounded in a different order, so the tolerance follows the format's precision (SmolLM2-135M
 on the probe: 0.23 nats in bf16, 0.029 in fp16). A broken mask or cache path is off by whole
 nats, or gives NaN.

@@ -1,4 +1,12 @@
-"""Shared fixtures: a tiny trained BPE tokenizer with a ChatML template, tiny random Llamas, SmolLM2."""
+"""Shared fixtures: a tiny trained BPE tokenizer with a ChatML template, tiny random Llamas, SmolLM2,
+and `engine`: a PCDEngine with the default options on the tiny Llama (under `smollm2/`, on SmolLM2).
+
+The tests are grouped by what they load, so that a group runs alone:
+    unit/      no model (seconds): `pytest tests/unit`
+    tiny/      the tiny trained tokenizer and random Llamas (mechanics, adapters, server, Ray, CLI)
+    smollm2/   the SmolLM2-135M-Instruct GGUF (a real model: frameworks' standard suites, clients)
+A module is named after the module or package it tests (test_server.py: minicpm_pcd_adapters/server/).
+A module that needs other engine options defines its own `engine`."""
 
 from __future__ import annotations
 
@@ -59,6 +67,14 @@ def tiny_model(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def smollm2():
     return smollm2_model()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tiny_tokenizer):
+    """A PCDEngine with the default options on the tiny random Llama, one per test module."""
+    from pcd_engine import PCDEngine
+
+    return PCDEngine(tiny_model, tiny_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ see their shapes; this module writes the document served at `/openapi.json` from
 and Completions requests, the answers with their `pcd` extension and `logprobs`, the streams,
 OpenAI's error body (`errors.ErrorBody`) for every status a route can answer, and the bearer key on
 every path but `/health`.
-Schemathesis fuzzes the server from this document (tests/test_server_fuzz.py).
+Schemathesis fuzzes the server from this document (tests/tiny/test_server_openapi.py).
 """
 
 from __future__ import annotations

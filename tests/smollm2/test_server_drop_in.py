@@ -19,12 +19,7 @@ from minicpm_pcd_adapters.server.app import create_app
 from minicpm_pcd_adapters.server.constraints import choice_schema
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import RawPrompt
-from tests.helpers import REVIEW_PROMPTS, served, smollm2_engine
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return smollm2_engine()
+from tests.helpers import REVIEW_PROMPTS, served
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,16 @@
-"""Labels never make answers worse, and heads learn from the model's own features: the `auto` guard
-and the head's math on synthetic scores, then heads on a tiny random Llama (applied, saved, loaded,
-refused) and the texts worth labeling next (engine and `pcd suggest`)."""
+"""Labels never make answers worse, and heads learn from features (fitting.py, heads.py,
+optimisers.py): the `auto` guard, the method choice and the head's math on synthetic scores."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from typing import Literal
 
 import pytest
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import DEFAULT_RULE, Calibration, CalibrationError, FieldHead, PCDEngine, metrics
-from pcd_engine.calibration import FieldCalibration, weights_path
+from pcd_engine import FieldHead, metrics
+from pcd_engine.calibration import FieldCalibration
 from pcd_engine.fitting import (
     METHODS,
     FieldData,
@@ -27,8 +23,6 @@ from pcd_engine.fitting import (
 )
 from pcd_engine.heads import fit_head, out_of_fold_logits
 from pcd_engine.optimisers import fit_temperature
-from pcd_engine.results import FieldResult
-from pcd_engine.suggestions import pick_uncertain, uncertainty
 
 
 class Ticket(BaseModel):
@@ -216,134 +210,3 @@ def test_head_ready_needs_two_values_labeled_twice_holding_half_the_labels():
     assert not head_ready([0, 0, 1], 3)
     assert not head_ready([0, 0, 0], 3)
     assert not head_ready([0, 0, 1, 1, 2, 3, 4, 5, 6], 77)
-
-
-@pytest.fixture
-def engine(tiny_model, tiny_tokenizer):
-    return PCDEngine(tiny_model, tiny_tokenizer)
-
-
-def test_a_head_in_classify_equals_its_math_on_the_kept_hidden_states(engine):
-    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
-    assert cal.needs_hidden and all(isinstance(f, FieldHead) for f in cal.fields.values())
-    plan = engine.plan(Ticket)
-    ((raw_fields, hidden),) = engine.score_fields(plan, [TEXTS[0]], hidden=True)
-    result = engine.classify(TEXTS[0], Ticket, calibration=cal)
-    for path, f in result.fields.items():
-        head = cal.fields[path]
-        assert isinstance(head, FieldHead)
-        z = torch.tensor(list(raw_fields[path].log_scores.values()), dtype=torch.float64)
-        want = torch.softmax(head.logits(z, head.features(hidden).double()), dim=0)
-        assert list(f.probabilities.values()) == pytest.approx(want.tolist(), abs=1e-6)
-        assert f.calibration == "head" and f.log_scores == pytest.approx(raw_fields[path].log_scores)
-    batched = engine.classify_batch(TEXTS, Ticket, calibration=cal)  # padded rows: same answers
-    for text, r in zip(TEXTS, batched, strict=True):
-        alone = engine.classify(text, Ticket, calibration=cal)
-        for path, f in r.fields.items():
-            assert f.value == alone.fields[path].value
-            assert list(f.probabilities.values()) == pytest.approx(
-                list(alone.fields[path].probabilities.values()), abs=1e-4
-            )
-
-
-def test_heads_round_trip_through_safetensors_and_refuse_changed_weights(engine, tmp_path, tiny_tokenizer):
-    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
-    path = tmp_path / "ticket.calibration.json"
-    cal.save(path)
-    assert (
-        weights_path(path).exists()
-        and json.loads(path.read_text())["weights"]["file"] == "ticket.calibration.safetensors"
-    )
-    loaded = Calibration.load(path)
-    for text in TEXTS[:3]:
-        a = engine.classify(text, Ticket, calibration=cal)
-        b = engine.classify(text, Ticket, calibration=loaded)
-        for p in a.fields:
-            assert a.fields[p].probabilities == pytest.approx(b.fields[p].probabilities, abs=1e-9)
-    blob = bytearray(weights_path(path).read_bytes())
-    blob[-1] ^= 1
-    weights_path(path).write_bytes(bytes(blob))
-    with pytest.raises(CalibrationError, match="not the ones it was saved with"):
-        Calibration.load(path)
-    weights_path(path).unlink()
-    with pytest.raises(CalibrationError, match="missing"):
-        Calibration.load(path)
-    # the checks of any calibration still hold: another schema, prompt, rule or model is refused
-    with pytest.raises(CalibrationError, match="another schema or prompt"):
-        engine.classify(TEXTS[0], Ticket, calibration=cal, instructions="Label it.")
-    with pytest.raises(CalibrationError, match=f"fitted with '{DEFAULT_RULE}'"):
-        engine.classify(TEXTS[0], Ticket, calibration=cal, rule="option")
-    from tests.helpers import tiny_llama
-
-    other = PCDEngine(tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer)
-    with pytest.raises(CalibrationError, match="fitted on model"):
-        other.classify(TEXTS[0], Ticket, calibration=cal)
-
-
-def test_head_falls_back_per_field_when_the_labels_are_too_few(engine):
-    labels = [dict(label, topic="billing") for label in LABELS]
-    labels[0]["topic"] = "crash"  # crash labeled once, other never: only one value labeled twice
-    cal = engine.calibrate(Ticket, TEXTS, labels, method="head", folds=3)
-    assert (
-        not isinstance(cal.fields["topic"], FieldHead)
-        and "no head" in cal.report["fields"]["topic"]["reason"]
-    )
-    assert isinstance(cal.fields["urgent"], FieldHead)
-
-
-def field(path: str, probs: dict, value=None) -> FieldResult:
-    top = sorted(probs.values(), reverse=True)
-    chosen = value if value is not None else max(probs, key=probs.__getitem__)
-    return FieldResult(path, chosen, probs, {k: 0.0 for k in probs}, top[0] - top[1], "option")
-
-
-def test_suggestions_take_the_least_certain_texts_spread_over_predicted_values():
-    per_text = [
-        {"t": field("t", {"a": 0.51, "b": 0.49})},  # 0: a, very unsure
-        {"t": field("t", {"a": 0.55, "b": 0.45})},  # 1: a, unsure
-        {"t": field("t", {"a": 0.60, "b": 0.40})},  # 2: a
-        {"t": field("t", {"a": 0.30, "b": 0.70})},  # 3: b, surer than 0-2
-        {"t": field("t", {"a": 0.99, "b": 0.01})},  # 4: a, sure
-        None,  # 5: no answer, never picked
-    ]
-    picked = pick_uncertain(per_text, 3)
-    assert [p.index for p in picked] == [0, 3, 1]  # b gets a slot before a's second
-    assert pick_uncertain(per_text, 10)[-1].index == 4 and len(pick_uncertain(per_text, 10)) == 5
-    assert uncertainty(per_text[0], "entropy")[1] > uncertainty(per_text[4], "entropy")[1]
-
-
-def test_suggest_labels_gives_best_guesses_ready_to_label(engine):
-    found = engine.suggest_labels(Ticket, [*TEXTS, ""], count=4)
-    assert len(found.picked) == 4 and list(found.errors) == [len(TEXTS)]
-    for s in found.picked:
-        assert s.text == TEXTS[s.index]
-        assert Ticket.model_validate(s.label)  # a valid answer, what `calibrate` reads
-        assert s.label == engine.classify(s.text, Ticket).value.model_dump(mode="json")
-
-
-def test_pcd_suggest_writes_a_file_that_pcd_calibrate_reads(tiny_folder, tmp_path):
-    source = tmp_path / "unlabeled.jsonl"
-    lines = [json.dumps({"text": t}) for t in TEXTS] + ["not json"]
-    source.write_text("\n".join(lines) + "\n")
-    output = tmp_path / "to_label.jsonl"
-    schema = f"{__file__}:Ticket"
-    run = [sys.executable, "-m", "minicpm_pcd_adapters.cli"]
-    done = subprocess.run(
-        [*run, "suggest", "--schema", schema, "--input", str(source), "--count", "6", "--output", str(output),
-         "--model", tiny_folder, "--device", "cpu"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 1, done.stderr  # one line could not be read: an error record
-    rows = [json.loads(line) for line in output.read_text().splitlines()]
-    assert len(rows) == 6 and {r["text"] for r in rows} <= set(TEXTS)
-    errors = [json.loads(line) for line in (tmp_path / "to_label.errors.jsonl").read_text().splitlines()]
-    assert errors == [{"line": len(TEXTS) + 1, "error": errors[0]["error"]}]
-    assert "suggest" in done.stderr  # the progress bar
-    calibration = tmp_path / "cal.json"
-    fitted = subprocess.run(
-        [*run, "calibrate", "--schema", schema, "--input", str(output), "--output", str(calibration),
-         "--model", tiny_folder, "--device", "cpu", "--method", "temperature", "--folds", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert fitted.returncode == 0, fitted.stderr
-    assert Calibration.load(calibration).report["fields"]["topic"]["n"] == 6

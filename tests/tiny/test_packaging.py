@@ -144,7 +144,7 @@ def test_adapters_use_only_the_core_s_public_names():
     import ast
     from pathlib import Path
 
-    for path in Path(minicpm_pcd_adapters.__file__).parent.glob("*.py"):
+    for path in Path(minicpm_pcd_adapters.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pcd_engine"):
                 assert node.module == "pcd_engine", f"{path.name} imports {node.module}"

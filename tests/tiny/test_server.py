@@ -33,11 +33,6 @@ TEXTS = ["refund me", "The app crashes when I log in.", "Where is my parcel?", "
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model, tiny_tokenizer):
-    return PCDEngine(tiny_model, tiny_tokenizer)
-
-
-@pytest.fixture(scope="module")
 def server(engine):
     app = create_app(
         engine, ServerSettings(model_name="tiny", api_key=KEY, batch_window_ms=50, max_body_bytes=20_000)

@@ -7,16 +7,11 @@ import time
 import pytest
 import torch
 
-from pcd_engine import Generation, InputError, PCDEngine, Sampling
+from pcd_engine import Generation, InputError, Sampling
 from pcd_engine.generate import StopStrings
 from tests.helpers import ForwardCounter
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is my parcel?"}]
-
-
-@pytest.fixture
-def engine(tiny_model, tiny_tokenizer):
-    return PCDEngine(tiny_model, tiny_tokenizer)
 
 
 def test_messages_render_like_the_chat_template(engine, tiny_tokenizer):

@@ -132,11 +132,6 @@ def test_labels_are_read_per_decision_and_bad_ones_are_refused():
         decision_labels(compiled, "crash", 0)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model, tiny_tokenizer):
-    return PCDEngine(tiny_model, tiny_tokenizer)
-
-
 def test_a_fitted_calibration_is_applied_and_survives_save_and_load(engine, tmp_path):
     cal = engine.calibrate(Ticket, TEXTS, LABELS, method="bias", folds=3)
     assert set(cal.fields) == {"topic", "urgent"}

@@ -34,12 +34,6 @@ class Choice(BaseModel):
     choice: Literal["positive", "negative", "pos"]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2):
-    model, tokenizer = smollm2
-    return PCDEngine(model, tokenizer)
-
-
 def _packed_and_separate(engine, schema, layout, text):
     plan = engine.plan(schema, layout=layout)
     ids = engine.prompt.raw(plan.head, text).ids

@@ -17,20 +17,15 @@ from minicpm_pcd_adapters.cli.options import read_labeled
 from minicpm_pcd_adapters.server.app import create_app
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from minicpm_pcd_adapters.teacher import Teacher, TeacherError, TeacherLabel, label_texts, value_confidence
-from tests.helpers import served, smollm2_engine
+from tests.helpers import served
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from ticket import Ticket  # noqa: E402
 
 LABELED = ROOT / "examples/tickets_labeled.jsonl"
 TEXTS = [json.loads(line)["text"] for line in LABELED.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return smollm2_engine()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pcd_engine", "minicpm_pcd_adapters", "benchmarks")
 OUTSIDE_THE_CORE = {
     "minicpm_pcd_adapters", "langchain", "langchain_core", "llama_index", "fastapi", "starlette",

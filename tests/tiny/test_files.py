@@ -31,11 +31,6 @@ LINES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model, tiny_tokenizer):
-    return PCDEngine(tiny_model, tiny_tokenizer)
-
-
 @pytest.fixture
 def source(tmp_path):
     path = tmp_path / "in.jsonl"

@@ -18,7 +18,7 @@ from minicpm_pcd_adapters import MiniCPMLLM, MiniCPMPCDProgram
 from pcd_engine import UnsupportedSchemaError
 from tests.helpers import smollm2_engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from ticket import Ticket, TriagedTicket
 
 TEXT = "I was charged twice for my order, please refund me."

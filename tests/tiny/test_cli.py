@@ -1,7 +1,10 @@
-"""The `pcd` command checks what it can before a model loads: label keys and values against the
-schema (file:line from 1, the nearest field named), a calibration fitted for other fields, a report
-folder that already holds a report, a `--resume` with nothing left; and `--schema` reads JSON files.
-Each refusal exits 2 with one `pcd: error:` line, writes nothing, and loads no model."""
+"""The `pcd` commands, run as a user runs them (`python -m minicpm_pcd_adapters.cli`). First what
+they check before a model loads: label keys and values against the schema (file:line from 1, the
+nearest field named), a calibration fitted for other fields, a report folder that already holds a
+report, a `--resume` with nothing left; and `--schema` reads JSON files. Each refusal exits 2 with one
+`pcd: error:` line, writes nothing, and loads no model. Then `pcd suggest` and `pcd calibrate` on the
+tiny random Llama saved as a model folder. (`pcd manifest` is in test_loading.py, `pcd classify` on
+SmolLM2, killed and resumed, in smollm2/test_smollm2.py.)"""
 
 from __future__ import annotations
 
@@ -9,16 +12,37 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel
 
 from minicpm_pcd_adapters.by_name import load_schema
 from pcd_engine import Calibration, ModelIdentity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LABELED = ROOT / "examples" / "tickets_labeled.jsonl"
 TICKET = "examples/ticket.py:Ticket"
 LOADING = "de-quantizing GGUF tensors"  # what loading SmolLM2 writes to stderr
+
+
+class Ticket(BaseModel):
+    topic: Literal["billing", "crash", "other"]
+    urgent: bool
+
+
+TEXTS = [
+    "I was charged twice for my order",
+    "The app crashes when I log in",
+    "Where is my parcel?",
+    "please refund me",
+    "How do I change my password?",
+    "charged twice, app crashes",
+    "my invoice is wrong",
+    "it freezes on start",
+    "hello there",
+    "refund the double charge",
+]
 
 
 def pcd(*args: object) -> subprocess.CompletedProcess[str]:
@@ -144,3 +168,31 @@ def test_schema_files_in_json(tmp_path):
         tmp_path / "r",
     )
     refused(run, ":1:", "no field 'topic'")
+
+
+def test_pcd_suggest_writes_a_file_that_pcd_calibrate_reads(tiny_folder, tmp_path):
+    source = tmp_path / "unlabeled.jsonl"
+    lines = [json.dumps({"text": t}) for t in TEXTS] + ["not json"]
+    source.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "to_label.jsonl"
+    schema = f"{__file__}:Ticket"
+    run = [sys.executable, "-m", "minicpm_pcd_adapters.cli"]
+    done = subprocess.run(
+        [*run, "suggest", "--schema", schema, "--input", str(source), "--count", "6", "--output", str(output),
+         "--model", tiny_folder, "--device", "cpu"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # one line could not be read: an error record
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(rows) == 6 and {r["text"] for r in rows} <= set(TEXTS)
+    errors = [json.loads(line) for line in (tmp_path / "to_label.errors.jsonl").read_text().splitlines()]
+    assert errors == [{"line": len(TEXTS) + 1, "error": errors[0]["error"]}]
+    assert "suggest" in done.stderr  # the progress bar
+    calibration = tmp_path / "cal.json"
+    fitted = subprocess.run(
+        [*run, "calibrate", "--schema", schema, "--input", str(output), "--output", str(calibration),
+         "--model", tiny_folder, "--device", "cpu", "--method", "temperature", "--folds", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert fitted.returncode == 0, fitted.stderr
+    assert Calibration.load(calibration).report["fields"]["topic"]["n"] == 6

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from pcd_engine import Limits, PCDEngine
 
 pytestmark = pytest.mark.slow
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from ticket import TriagedTicket  # noqa: E402
 
 TEXTS = [

@@ -17,7 +17,7 @@ from pcd_engine import PCDEngine
 from tests.helpers import packed_and_separate
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 sys.path.insert(0, str(ROOT / "examples"))
 from ticket import Ticket  # noqa: E402

@@ -1,0 +1,117 @@
+"""What the engine learns from labeled texts (learning.py) on a tiny random Llama: heads applied,
+saved, loaded and refused, per-field fallbacks, and the texts worth labeling next."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from pcd_engine import DEFAULT_RULE, Calibration, CalibrationError, FieldHead, PCDEngine
+from pcd_engine.calibration import weights_path
+
+
+class Ticket(BaseModel):
+    topic: Literal["billing", "crash", "other"]
+    urgent: bool
+
+
+TEXTS = [
+    "I was charged twice for my order",
+    "The app crashes when I log in",
+    "Where is my parcel?",
+    "please refund me",
+    "How do I change my password?",
+    "charged twice, app crashes",
+    "my invoice is wrong",
+    "it freezes on start",
+    "hello there",
+    "refund the double charge",
+]
+LABELS = [
+    {"topic": t, "urgent": u}
+    for t, u in [
+        ("billing", True), ("crash", True), ("other", False), ("billing", False), ("other", False),
+        ("crash", True), ("billing", False), ("crash", True), ("other", False), ("billing", True),
+    ]
+]  # fmt: skip
+
+
+def test_a_head_in_classify_equals_its_math_on_the_kept_hidden_states(engine):
+    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
+    assert cal.needs_hidden and all(isinstance(f, FieldHead) for f in cal.fields.values())
+    plan = engine.plan(Ticket)
+    ((raw_fields, hidden),) = engine.score_fields(plan, [TEXTS[0]], hidden=True)
+    result = engine.classify(TEXTS[0], Ticket, calibration=cal)
+    for path, f in result.fields.items():
+        head = cal.fields[path]
+        assert isinstance(head, FieldHead)
+        z = torch.tensor(list(raw_fields[path].log_scores.values()), dtype=torch.float64)
+        want = torch.softmax(head.logits(z, head.features(hidden).double()), dim=0)
+        assert list(f.probabilities.values()) == pytest.approx(want.tolist(), abs=1e-6)
+        assert f.calibration == "head" and f.log_scores == pytest.approx(raw_fields[path].log_scores)
+    batched = engine.classify_batch(TEXTS, Ticket, calibration=cal)  # padded rows: same answers
+    for text, r in zip(TEXTS, batched, strict=True):
+        alone = engine.classify(text, Ticket, calibration=cal)
+        for path, f in r.fields.items():
+            assert f.value == alone.fields[path].value
+            assert list(f.probabilities.values()) == pytest.approx(
+                list(alone.fields[path].probabilities.values()), abs=1e-4
+            )
+
+
+def test_heads_round_trip_through_safetensors_and_refuse_changed_weights(engine, tmp_path, tiny_tokenizer):
+    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="head", folds=3)
+    path = tmp_path / "ticket.calibration.json"
+    cal.save(path)
+    assert (
+        weights_path(path).exists()
+        and json.loads(path.read_text())["weights"]["file"] == "ticket.calibration.safetensors"
+    )
+    loaded = Calibration.load(path)
+    for text in TEXTS[:3]:
+        a = engine.classify(text, Ticket, calibration=cal)
+        b = engine.classify(text, Ticket, calibration=loaded)
+        for p in a.fields:
+            assert a.fields[p].probabilities == pytest.approx(b.fields[p].probabilities, abs=1e-9)
+    blob = bytearray(weights_path(path).read_bytes())
+    blob[-1] ^= 1
+    weights_path(path).write_bytes(bytes(blob))
+    with pytest.raises(CalibrationError, match="not the ones it was saved with"):
+        Calibration.load(path)
+    weights_path(path).unlink()
+    with pytest.raises(CalibrationError, match="missing"):
+        Calibration.load(path)
+    # the checks of any calibration still hold: another schema, prompt, rule or model is refused
+    with pytest.raises(CalibrationError, match="another schema or prompt"):
+        engine.classify(TEXTS[0], Ticket, calibration=cal, instructions="Label it.")
+    with pytest.raises(CalibrationError, match=f"fitted with '{DEFAULT_RULE}'"):
+        engine.classify(TEXTS[0], Ticket, calibration=cal, rule="option")
+    from tests.helpers import tiny_llama
+
+    other = PCDEngine(tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer)
+    with pytest.raises(CalibrationError, match="fitted on model"):
+        other.classify(TEXTS[0], Ticket, calibration=cal)
+
+
+def test_head_falls_back_per_field_when_the_labels_are_too_few(engine):
+    labels = [dict(label, topic="billing") for label in LABELS]
+    labels[0]["topic"] = "crash"  # crash labeled once, other never: only one value labeled twice
+    cal = engine.calibrate(Ticket, TEXTS, labels, method="head", folds=3)
+    assert (
+        not isinstance(cal.fields["topic"], FieldHead)
+        and "no head" in cal.report["fields"]["topic"]["reason"]
+    )
+    assert isinstance(cal.fields["urgent"], FieldHead)
+
+
+def test_suggest_labels_gives_best_guesses_ready_to_label(engine):
+    found = engine.suggest_labels(Ticket, [*TEXTS, ""], count=4)
+    assert len(found.picked) == 4 and list(found.errors) == [len(TEXTS)]
+    for s in found.picked:
+        assert s.text == TEXTS[s.index]
+        assert Ticket.model_validate(s.label)  # a valid answer, what `calibrate` reads
+        assert s.label == engine.classify(s.text, Ticket).value.model_dump(mode="json")
