@@ -11,9 +11,9 @@ scored, open fields generated. The answer is an AIMessage whose content is the o
 inputs with one `engine.classify_batch` first, then run LangChain's usual per-input path (callbacks,
 order, `return_exceptions`) on the precomputed answers.
 
->>> llm = ChatMiniCPM()  # MiniCPM5-2B at the pinned revision, loaded on first use  # doctest: +SKIP
->>> llm.with_structured_output(Ticket).invoke("I was charged twice")  # doctest: +SKIP
-Ticket(topic='billing', ...)
+    >>> llm = ChatMiniCPM()  # MiniCPM5-2B at the pinned revision, loaded on first use  # doctest: +SKIP
+    >>> llm.with_structured_output(Ticket).invoke("I was charged twice")  # doctest: +SKIP
+    Ticket(topic='billing', ...)
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ engine's role/content dicts: an AIMessage's `tool_calls` travel as calls, a Tool
 turn. `tool_message` writes `engine.tools.call`'s answer as an AIMessage with `tool_calls` (ids
 included) and the decision's probabilities in `response_metadata["pcd"]`.
 
->>> engine_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])[0].name
-'f'
+    >>> engine_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])[0].name
+    'f'
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ response synthesizers with `output_cls`, programs) reaches `MiniCPMPCDProgram`, 
 prompt with LlamaIndex's own templates and answers with `engine.classify`: closed fields scored, open
 fields generated. The program keeps the last `PCDResult` (`last_result`) for per-field probabilities.
 
->>> llm = MiniCPMLLM()  # MiniCPM5-2B at the pinned revision, loaded on first use  # doctest: +SKIP
->>> llm.structured_predict(Ticket, PromptTemplate("{text}"), text="charged twice")  # doctest: +SKIP
-Ticket(topic='billing', ...)
+    >>> llm = MiniCPMLLM()  # MiniCPM5-2B at the pinned revision, loaded on first use  # doctest: +SKIP
+    >>> llm.structured_predict(Ticket, PromptTemplate("{text}"), text="charged twice")  # doctest: +SKIP
+    Ticket(topic='billing', ...)
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ a `ToolCallBlock` per call and whose `raw["pcd"]` and `additional_kwargs["pcd"]`
 probabilities. `parser_schema` finds the JSON schema a `PydanticOutputParser` appended to a prompt
 (what `LLMTextCompletionProgram` sends), so that the engine answers it.
 
->>> parser_schema([ChatMessage(role="user", content="hi")]) is None
-True
+    >>> parser_schema([ChatMessage(role="user", content="hi")]) is None
+    True
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Each adapter first reduces its message objects to (role, text) pairs; this modul
 engine is asked: system messages become the instructions that head the schema's field list, the rest
 becomes the text to answer. Decoding options come from `Sampling`'s fields, per call or per adapter.
 
->>> structured_request([("system", "Route it."), ("user", "I was charged twice")])
-('Route it.', 'I was charged twice')
+    >>> structured_request([("system", "Route it."), ("user", "I was charged twice")])
+    ('Route it.', 'I was charged twice')
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ def load_minicpm5(
     **options: Any,
 ) -> PCDEngine:
     """A PCDEngine over MiniCPM5-2B: the pinned hub revision, or a local folder / GGUF file.
+    The hub id is downloaded on first use (safetensors only); a folder loads as it is:
 
-    >>> engine = load_minicpm5()  # doctest: +SKIP
-    >>> engine = load_minicpm5("/models/MiniCPM5-2B")  # doctest: +SKIP
+        >>> engine = load_minicpm5()  # doctest: +SKIP
+        >>> engine = load_minicpm5("/models/MiniCPM5-2B")  # doctest: +SKIP
     """
     source = name_or_path or MINICPM5_2B.hub_id
     pinned = revision or (MINICPM5_2B.revision if source == MINICPM5_2B.hub_id else None)
@@ -56,7 +57,7 @@ class EngineSlot:
     """The engine an adapter loads on first use: loaded once, however many threads ask (both adapters,
     LangChain and LlamaIndex, hold one; an adapter given an engine never asks).
 
-    >>> EngineSlot().load("openbmb/MiniCPM5-2B")  # doctest: +SKIP
+        >>> EngineSlot().load("openbmb/MiniCPM5-2B")  # doctest: +SKIP
     """
 
     def __init__(self) -> None:

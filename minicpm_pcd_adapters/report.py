@@ -6,7 +6,7 @@ Per scored field: accuracy, macro-F1, ECE, log-loss and the majority-answer floo
 (`plots.field_plots`), the confusion matrix and the most confident mistakes with their texts, from
 the last variant (the calibrated one where there is one). Below `FEW_ROWS` scored rows it warns.
 
->>> write_report(Path("out/evaluate/report.html"), {"uncalibrated": evaluation}, texts)  # doctest: +SKIP
+    >>> write_report(Path("out/evaluate/report.html"), {"uncalibrated": evaluation}, texts)  # doctest: +SKIP
 """
 
 from __future__ import annotations

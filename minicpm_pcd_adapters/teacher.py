@@ -12,10 +12,10 @@ What the teacher knows of its answer is kept where it gives it: `pcd serve` retu
 probability per field (`probabilities`); other servers return token log-probabilities, from which
 each top-level field's `confidence` is the probability of the tokens that wrote its value.
 
->>> teacher = Teacher("http://127.0.0.1:8000/v1", "minicpm5-2b")  # doctest: +SKIP
->>> labels = label_texts(teacher, Ticket, ["I was charged twice"])  # doctest: +SKIP
->>> labels[0].label  # doctest: +SKIP
-{'topic': 'billing', 'urgent': True}
+    >>> teacher = Teacher("http://127.0.0.1:8000/v1", "minicpm5-2b")  # doctest: +SKIP
+    >>> labels = label_texts(teacher, Ticket, ["I was charged twice"])  # doctest: +SKIP
+    >>> labels[0].label  # doctest: +SKIP
+    {'topic': 'billing', 'urgent': True}
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ it refuses to be applied to anything else. `save`/`load` write it as JSON, and t
 safetensors beside it (`NAME.safetensors`, its SHA-256 recorded in the JSON). `abstain` marks the
 fields whose confidence is below a threshold.
 
->>> cal = engine.calibrate(Ticket, texts, labels)  # doctest: +SKIP
->>> cal.report["fields"]["topic"]["after"]["accuracy"]  # doctest: +SKIP
->>> engine.classify(text, Ticket, calibration=cal)  # doctest: +SKIP
+    >>> cal = engine.calibrate(Ticket, texts, labels)  # doctest: +SKIP
+    >>> cal.report["fields"]["topic"]["after"]["accuracy"]  # doctest: +SKIP
+    >>> engine.classify(text, Ticket, calibration=cal)  # doctest: +SKIP
 """
 
 from __future__ import annotations

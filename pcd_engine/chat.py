@@ -4,8 +4,8 @@
 bad call fails with InputError before any model work; the `ChatCall` then runs on the generator,
 whole (`Generation`) or streamed (`GenerationChunk`s, stop strings held back until they cannot start).
 
->>> message_pairs([{"role": "user", "content": "Hi"}, ("assistant", "Hello")])
-[('user', 'Hi'), ('assistant', 'Hello')]
+    >>> message_pairs([{"role": "user", "content": "Hi"}, ("assistant", "Hello")])
+    [('user', 'Hi'), ('assistant', 'Hello')]
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 
 This is the only place a prior is subtracted from scores.
 
->>> fields = decide(plan, scorer.score(plan, [ids], [stats])[0], priors)  # doctest: +SKIP
->>> closed_value(plan, fields)  # doctest: +SKIP
-Ticket(topic='billing', urgent=True)
+    >>> fields = decide(plan, scorer.score(plan, [ids], [stats])[0], priors)  # doctest: +SKIP
+    >>> closed_value(plan, fields)  # doctest: +SKIP
+    Ticket(topic='billing', urgent=True)
 """
 
 from __future__ import annotations

@@ -57,16 +57,16 @@ DEFAULT_RULE = "option-boolcut-cc"  # chosen on the development sets; see docs/b
 class PCDEngine(LearningMixin, ChatMixin):
     """Typed classification with parallel constrained decoding over any Hugging Face causal LM.
 
-    >>> from typing import Literal
-    >>> from pydantic import BaseModel
-    >>> class Ticket(BaseModel):
-    ...     topic: Literal["billing", "bug", "other"]
-    ...     urgent: bool
-    ...     summary: str  # open: generated after the scored fields
-    >>> engine = PCDEngine.from_pretrained("openbmb/MiniCPM5-2B")  # doctest: +SKIP
-    >>> result = engine.classify("I was charged twice!", Ticket)  # doctest: +SKIP
-    >>> result.value.topic, result.fields["topic"].probabilities  # doctest: +SKIP
-    ('billing', {'billing': 0.97, 'bug': 0.01, 'other': 0.02})
+        >>> from typing import Literal
+        >>> from pydantic import BaseModel
+        >>> class Ticket(BaseModel):
+        ...     topic: Literal["billing", "bug", "other"]
+        ...     urgent: bool
+        ...     summary: str  # open: generated after the scored fields
+        >>> engine = PCDEngine.from_pretrained("openbmb/MiniCPM5-2B")  # doctest: +SKIP
+        >>> result = engine.classify("I was charged twice!", Ticket)  # doctest: +SKIP
+        >>> result.value.topic, result.fields["topic"].probabilities  # doctest: +SKIP
+        ('billing', {'billing': 0.97, 'bug': 0.01, 'other': 0.02})
 
     Options: `rule` ("option-cc", "option", "option-mean", "option-unique", "option-unique-cc",
     "option-boolcut", "option-boolcut-cc", "greedy", "greedy-cc", "code" or a Rule object), `limits`,

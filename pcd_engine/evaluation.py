@@ -5,8 +5,8 @@ field's most frequent label in these texts, so an optimistic floor), a confusion
 reliability bins and the coverage-accuracy curve. Over the whole object: the exact-match accuracy.
 Every text gets an answer or counts as an error; nothing is dropped.
 
->>> evaluation = evaluate(engine, Ticket, texts, labels)  # doctest: +SKIP
->>> evaluation.summary["field_accuracy"]  # doctest: +SKIP
+    >>> evaluation = evaluate(engine, Ticket, texts, labels)  # doctest: +SKIP
+    >>> evaluation.summary["field_accuracy"]  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ and let constrained generation continue. The answer is parsed and validated by t
 validation error gets one retry with the error shown to the model, then `StructuredOutputError`.
 `fill` does this for many requests, in padded batches of `batch_size` rows.
 
->>> filler.job(plan, prompt_ids, closed={("topic",): "billing"})  # doctest: +SKIP
-FillJob(prompt=[...], forced='{"topic": "billing", "summary": ', ...)
+    >>> filler.job(plan, prompt_ids, closed={("topic",): "billing"})  # doctest: +SKIP
+    FillJob(prompt=[...], forced='{"topic": "billing", "summary": ', ...)
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ GBNF dialect of llama.cpp too: `root ::= ...`), a JSON schema, or any JSON objec
 work, and a source that does not compile is an InputError that quotes xgrammar's reason. Closed
 choices are not a grammar here: a choice is a schema field, scored whole by `classify`.
 
->>> Grammar.regex(r"\\w+@\\w+\\.com").kind
-'regex'
+    >>> Grammar.regex(r"\\w+@\\w+\\.com").kind
+    'regex'
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ on nearly every row, as the final head is: a temperature fitted on heads that sa
 left the final head underconfident); each row's reported probabilities come from a head fitted
 without that row.
 
->>> head, oof = fit_head(values, z, features, labels, fold)  # doctest: +SKIP
->>> head.probabilities(z_row, {"fork": fork_state})  # doctest: +SKIP
+    >>> head, oof = fit_head(values, z, features, labels, fold)  # doctest: +SKIP
+    >>> head.probabilities(z_row, {"fork": fork_state})  # doctest: +SKIP
 """
 
 from __future__ import annotations

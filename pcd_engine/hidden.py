@@ -11,9 +11,9 @@ The text's tokens must be fed in the call (not read from a cached prefix): the s
 prefix that reaches into the text. A forward hook on the decoder and one on the middle layer see
 each call's outputs; `HiddenCapture` says which positions of which row to read.
 
->>> capture = HiddenCapture(text_start=40, text_end=52)  # doctest: +SKIP
->>> scorer.score(plan, [ids], [stats], capture=[capture])  # doctest: +SKIP
->>> capture.states().fork.shape  # (trees, hidden size)  # doctest: +SKIP
+    >>> capture = HiddenCapture(text_start=40, text_end=52)  # doctest: +SKIP
+    >>> scorer.score(plan, [ids], [stats], capture=[capture])  # doctest: +SKIP
+    >>> capture.states().fork.shape  # (trees, hidden size)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ so generation cannot change a scored value, and the JSON text up to the first op
 any model call (the engine writes it into the prompt). `capped` bounds every string and list, and
 `token_budget` bounds the tokens any text valid under the schema may need, so generation always ends.
 
->>> schema = {"type": "object", "required": ["note"], "properties": {
-...     "note": {"type": "string", "maxLength": 20}, "topic": {"enum": ["a", "b"]}}}
->>> list(pinned_schema(schema, {("topic",): "b"}, [("note",)])["properties"])
-['topic', 'note']
+    >>> schema = {"type": "object", "required": ["note"], "properties": {
+    ...     "note": {"type": "string", "maxLength": 20}, "topic": {"enum": ["a", "b"]}}}
+    >>> list(pinned_schema(schema, {("topic",): "b"}, [("note",)])["properties"])
+    ['topic', 'note']
 """
 
 from __future__ import annotations

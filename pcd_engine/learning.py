@@ -2,8 +2,8 @@
 fields and hidden states, and which texts to label next. `PCDEngine` inherits these methods; they run
 the phases of its `pipeline` (pipeline.py, by composition), so this module does not import the engine.
 
->>> cal = engine.calibrate(Ticket, texts, labels)  # doctest: +SKIP
->>> engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
+    >>> cal = engine.calibrate(Ticket, texts, labels)  # doctest: +SKIP
+    >>> engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class LearningMixin:
         Each comes with its current best guess as a label to correct; a text that cannot be scored
         is in `errors` by its index.
 
-        >>> picked = engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
-        >>> picked[0].text, picked[0].label  # doctest: +SKIP
+            >>> picked = engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
+            >>> picked[0].text, picked[0].label  # doctest: +SKIP
         """
         plan = self.pipeline.plan(schema, **options)
         texts = list(texts)

@@ -6,8 +6,8 @@ listed file that is missing or differs, and a model file in the folder that the 
 (an extra weight file could be the one that loads). Keep the manifest where the weights cannot be
 rewritten by whoever could tamper with them (in your repository, next to your deploy config).
 
->>> manifest = create_manifest("/models/MiniCPM5-2B")  # doctest: +SKIP
->>> verify_manifest("/models/MiniCPM5-2B", manifest)  # doctest: +SKIP
+    >>> manifest = create_manifest("/models/MiniCPM5-2B")  # doctest: +SKIP
+    >>> verify_manifest("/models/MiniCPM5-2B", manifest)  # doctest: +SKIP
 """
 
 from __future__ import annotations

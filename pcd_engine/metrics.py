@@ -4,8 +4,8 @@ Every function reads the same two things for one field: `probabilities`, one row
 probability of each allowed value (in a fixed value order), and `labels`, the index of the true value
 per input. The answer is the most probable value.
 
->>> field_report([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]], [0, 1, 1])["accuracy"]
-0.6666666666666666
+    >>> field_report([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]], [0, 1, 1])["accuracy"]
+    0.6666666666666666
 """
 
 from __future__ import annotations

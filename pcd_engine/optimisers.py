@@ -3,9 +3,9 @@ log-scores (`fit_linear`: scale, per-value bias, optionally weights on features)
 (`fit_temperature` on the log-loss, `fit_confidence_temperature` on the top answer's confidence).
 `fitting.py` fits the bias and temperature maps with them, `heads.py` its heads.
 
->>> import torch
->>> round(fit_temperature(torch.tensor([[4.0, 0.0], [4.0, 0.0]]), torch.tensor([0, 1])), 1) > 1.0
-True
+    >>> import torch
+    >>> round(fit_temperature(torch.tensor([[4.0, 0.0], [4.0, 0.0]]), torch.tensor([0, 1])), 1) > 1.0
+    True
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ keyword arguments, `**options: Unpack[ClassifyOptions]`, so type checkers and ed
 and type, and an unknown name is refused as Python would refuse it. `RequestOptions` is the checked
 record the pipeline reads, the engine's defaults filled in.
 
->>> RequestOptions.of({"abstain_below": 0.7}, None).abstain_below
-0.7
->>> RequestOptions.of({"abstain_belo": 0.7}, None)  # doctest: +ELLIPSIS
-Traceback (most recent call last):
-TypeError: unexpected keyword argument 'abstain_belo'; the options are abstain_below, ..., sampling
+    >>> RequestOptions.of({"abstain_below": 0.7}, None).abstain_below
+    0.7
+    >>> RequestOptions.of({"abstain_belo": 0.7}, None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: unexpected keyword argument 'abstain_belo'; the options are abstain_below, ..., sampling
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ schema, or a function/tool definition with `parameters`) becomes a model through
 `json-schema-to-pydantic`. For those two, results are plain dicts (`returns_dict`), holding the keys the
 answer set.
 
->>> from typing import TypedDict
->>> class Joke(TypedDict):
-...     setup: str
-...     punchline: str
->>> output_type(Joke).returns_dict, sorted(output_type(Joke).model.model_fields)
-(True, ['punchline', 'setup'])
+    >>> from typing import TypedDict
+    >>> class Joke(TypedDict):
+    ...     setup: str
+    ...     punchline: str
+    >>> output_type(Joke).returns_dict, sorted(output_type(Joke).model.model_fields)
+    (True, ['punchline', 'setup'])
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ sit at the same columns. (Packing several requests into one long sequence instea
 query attend over every other request's keys, all masked: attention work grows with the square of the
 packed length.)
 
->>> from pcd_engine.branches import build_tree
->>> chars = lambda s: [ord(c) for c in s]
->>> trees = [build_tree(chars, "{a", ["b", "c"]), build_tree(chars, "{d", ["e", "f"])]
->>> packed = pack_inputs([7, 8], past_len=3, trees=trees)
->>> packed.ids.tolist(), packed.positions.tolist(), packed.columns
-([[7, 8, 123, 97, 100]], [[3, 4, 5, 6, 6]], [(2, 3), (2, 4)])
+    >>> from pcd_engine.branches import build_tree
+    >>> chars = lambda s: [ord(c) for c in s]
+    >>> trees = [build_tree(chars, "{a", ["b", "c"]), build_tree(chars, "{d", ["e", "f"])]
+    >>> packed = pack_inputs([7, 8], past_len=3, trees=trees)
+    >>> packed.ids.tolist(), packed.positions.tolist(), packed.columns
+    ([[7, 8, 123, 97, 100]], [[3, 4, 5, 6, 6]], [(2, 3), (2, 4)])
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@
 one result per input (phase 6); `calibrate`, `score_fields` and `suggest_labels` (learning.py) run
 phases 1 to 4 alone, on the same object.
 
->>> plan = engine.pipeline.plan(Ticket)  # doctest: +SKIP
->>> requests = engine.pipeline.render(plan, ["I was charged twice"])  # doctest: +SKIP
->>> engine.pipeline.score(plan, requests)  # doctest: +SKIP
->>> requests[0].fields["topic"].probabilities  # doctest: +SKIP
+    >>> plan = engine.pipeline.plan(Ticket)  # doctest: +SKIP
+    >>> requests = engine.pipeline.render(plan, ["I was charged twice"])  # doctest: +SKIP
+    >>> engine.pipeline.score(plan, requests)  # doctest: +SKIP
+    >>> requests[0].fields["topic"].probabilities  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ nats, or gives NaN.
 the runner-up's) is below `margin`, and its result replaces the low-precision one, so that close calls
 are decided as FP32 decides them. Its counter `rescored_fields` counts the fields it decided.
 
->>> engine = PCDEngine.from_pretrained(path, dtype="bfloat16", fp32_rescore=True)  # doctest: +SKIP
->>> engine.precision_check.passed, engine.precision_check.max_abs_diff  # doctest: +SKIP
-(True, 0.031)
+    >>> engine = PCDEngine.from_pretrained(path, dtype="bfloat16", fp32_rescore=True)  # doctest: +SKIP
+    >>> engine.precision_check.passed, engine.precision_check.max_abs_diff  # doctest: +SKIP
+    (True, 0.031)
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ class Conversation:
     allows it the turns are rendered as turns after the schema's head (a tool result in the template's
     `tool` role, say); elsewhere they are one text of "Role: content" paragraphs.
 
-    >>> Conversation((("user", "Weather in Paris?"),)).text
-    'Weather in Paris?'
+        >>> Conversation((("user", "Weather in Paris?"),)).text
+        'Weather in Paris?'
     """
 
     messages: tuple[tuple[str, str], ...]
@@ -117,8 +117,8 @@ class RawPrompt:
     alone, as vLLM's `choice` does. The text is data here too: a control-token string in it is read
     as plain text, never as the template's token.
 
-    >>> RawPrompt("Review: great phone.\nSentiment:", answer="value").layout
-    'raw-value'
+        >>> RawPrompt("Review: great phone.\\nSentiment:", answer="value").layout
+        'raw-value'
     """
 
     text: str
@@ -145,9 +145,10 @@ def input_layout(inputs: Sequence[Any]) -> str:
 
 class ChatPrompt:
     """Renders (system text, user text) with the tokenizer's own chat template into token ids.
+    Template switches (`enable_thinking`) go to every rendering:
 
-    >>> prompt = ChatPrompt(tokenizer, {"enable_thinking": False})  # doctest: +SKIP
-    >>> ids = prompt.render("Classify ...", "my card was charged twice")  # doctest: +SKIP
+        >>> prompt = ChatPrompt(tokenizer, {"enable_thinking": False})  # doctest: +SKIP
+        >>> ids = prompt.render("Classify ...", "my card was charged twice")  # doctest: +SKIP
     """
 
     def __init__(

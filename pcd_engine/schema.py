@@ -5,13 +5,13 @@ any other leaf is open and is generated (constrained AR) when `allow_open=True`.
 (no tokenizer, no model) and cached per (schema, limits, allow_open). With `allow_open=False` the first
 open field raises `UnsupportedSchemaError` here, before any model work.
 
->>> from typing import Literal
->>> from pydantic import BaseModel
->>> class Ticket(BaseModel):
-...     topic: Literal["billing", "bug"]
-...     urgent: bool
->>> [d.path for d in compile_schema(Ticket).decisions]
-['topic', 'urgent']
+    >>> from typing import Literal
+    >>> from pydantic import BaseModel
+    >>> class Ticket(BaseModel):
+    ...     topic: Literal["billing", "bug"]
+    ...     urgent: bool
+    >>> [d.path for d in compile_schema(Ticket).decisions]
+    ['topic', 'urgent']
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ runs padded rows on it; a request too long for the token budget runs alone, in m
 The priors are the log of the mean probability the trees get for content-free texts ("N/A", "",
 "[MASK]"; Zhao et al. 2021), computed once per plan and cached; `decisions.py` subtracts them.
 
->>> scorer = Scorer(BranchRunner(model), PrefixCache(), ChatPrompt(tokenizer))  # doctest: +SKIP
->>> per_prompt = scorer.score(plan, [prompt.ids], [PassStats()])  # doctest: +SKIP
+    >>> scorer = Scorer(BranchRunner(model), PrefixCache(), ChatPrompt(tokenizer))  # doctest: +SKIP
+    >>> per_prompt = scorer.score(plan, [prompt.ids], [PassStats()])  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ the prompt it feeds again). On a GPU a forward call costs about the same for a f
 thousand, so the fixed cost of a call is counted as thousands of tokens: a request is given a second
 call only where the whole trees are far larger than that.
 
->>> engine = PCDEngine(model, tokenizer, shortlist=ShortlistPolicy(size=16))  # doctest: +SKIP
->>> engine.plan(Banking).scored_decisions[0].rule_name  # doctest: +SKIP
-'option-boolcut-cc+top16'
+    >>> engine = PCDEngine(model, tokenizer, shortlist=ShortlistPolicy(size=16))  # doctest: +SKIP
+    >>> engine.plan(Banking).scored_decisions[0].rule_name  # doctest: +SKIP
+    'option-boolcut-cc+top16'
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ probability minus the runner-up's), or with `by="entropy"` the highest entropy d
 the field's number of values. Texts are grouped by (that field, its predicted value); the groups
 take turns, each giving its most uncertain text, so that one value does not take every slot.
 
->>> picked = pick_uncertain(per_text_fields, count=50)  # doctest: +SKIP
+    >>> picked = pick_uncertain(per_text_fields, count=50)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ only the chosen tool's open arguments under its JSON schema (xgrammar) with the 
 and validates the whole against the tool's own argument schema; a text answer is plain generation.
 `ToolCaller.calibrate` fits the decision from labeled conversations.
 
->>> asked = [{"role": "user", "content": "Weather in Paris?"}]
->>> result = engine.tools.call(asked, [weather])  # doctest: +SKIP
->>> result.tool, result.arguments, result.probabilities  # doctest: +SKIP
-('get_weather', {'city': 'Paris'}, {'get_weather': 0.93, None: 0.07})
+    >>> asked = [{"role": "user", "content": "Weather in Paris?"}]
+    >>> result = engine.tools.call(asked, [weather])  # doctest: +SKIP
+    >>> result.tool, result.arguments, result.probabilities  # doctest: +SKIP
+    ('get_weather', {'city': 'Paris'}, {'get_weather': 0.93, None: 0.07})
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class ToolCaller:
     """Tool calls on an engine, by composition (it uses the engine's public `classify` and
     `generate`); `engine.tools` is one.
 
-    >>> engine.tools.call(messages, tools, tool_choice="required")  # doctest: +SKIP
+        >>> engine.tools.call(messages, tools, tool_choice="required")  # doctest: +SKIP
     """
 
     def __init__(self, engine: Any) -> None:

@@ -12,9 +12,9 @@ decision and the closed arguments of every candidate tool, each argument's branc
 tool's name. A template with a tool protocol (`ChatPrompt.supports_tools`) renders the tool
 definitions in the system turn itself (`pcd_tools`); elsewhere the schema's description lists them.
 
->>> plan = build_tool_plan(as_tools([{"name": "get_weather"}]), ToolChoice("auto"), in_template=False)
->>> plan.text_value, sorted(plan.schema.model_fields)
-('respond_to_user', ['tool'])
+    >>> plan = build_tool_plan(as_tools([{"name": "get_weather"}]), ToolChoice("auto"), in_template=False)
+    >>> plan.text_value, sorted(plan.schema.model_fields)
+    ('respond_to_user', ['tool'])
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ space, as a word does in running text); docs/benchmarks.md compares the two. Aft
 With codes (the `code` rule) a string field lists its values under single-token codes and the
 candidates become `"A"}`, `"B"}`, ...
 
->>> branch_text(("shipping", "method"))
-'{"shipping": {"method": '
+    >>> branch_text(("shipping", "method"))
+    '{"shipping": {"method": '
 """
 
 from __future__ import annotations

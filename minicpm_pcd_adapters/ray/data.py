@@ -19,9 +19,11 @@ The schema crosses process boundaries: a Pydantic class (pickled by Ray; a class
 pickled raises UnsupportedSchemaError before the job starts, asking for its import path instead), an
 import path `"module:Class"` / `"path/file.py:Class"`, or a JSON-schema dict.
 
->>> ds = ray.data.read_parquet("tickets/")  # doctest: +SKIP
->>> out = classify_dataset(ds, Ticket, model="openbmb/MiniCPM5-2B", actors=4, num_gpus=1, batch_size=64)
->>> out.write_parquet("answers/")  # doctest: +SKIP
+    >>> ds = ray.data.read_parquet("tickets/")  # doctest: +SKIP
+    >>> out = classify_dataset(  # doctest: +SKIP
+    ...     ds, Ticket, model="openbmb/MiniCPM5-2B", actors=4, num_gpus=1, batch_size=64
+    ... )
+    >>> out.write_parquet("answers/")  # doctest: +SKIP
 """
 
 from __future__ import annotations

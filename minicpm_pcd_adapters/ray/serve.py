@@ -2,10 +2,10 @@
 and metrics (the `[ray]` extra). Ray Serve's proxy spreads requests over the replicas; the HTTP API is
 the plain server's (docs/server.md), so the same clients work.
 
->>> from ray import serve
->>> serve.start(http_options={"host": "127.0.0.1", "port": 8000})  # doctest: +SKIP
->>> settings = ServerSettings(model_name="minicpm5-2b")
->>> serve.run(pcd_application("minicpm5-2b", settings, replicas=2))  # doctest: +SKIP
+    >>> from ray import serve
+    >>> serve.start(http_options={"host": "127.0.0.1", "port": 8000})  # doctest: +SKIP
+    >>> settings = ServerSettings(model_name="minicpm5-2b")
+    >>> serve.run(pcd_application("minicpm5-2b", settings, replicas=2))  # doctest: +SKIP
 
 From the command line: `pcd serve --ray --replicas 2 [--ray-address ADDR] [--num-gpus 1]`.
 """

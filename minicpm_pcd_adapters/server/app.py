@@ -12,8 +12,8 @@ the API key (every path but /health, compared in constant time) and the body siz
 runs. Schemas are JSON only: nothing in a request is imported or executed, and user text reaches the
 engine as data (its control-token rule holds here as everywhere).
 
->>> app = create_app(load_smollm2(), ServerSettings(model_name="smollm2"))  # doctest: +SKIP
->>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
+    >>> app = create_app(load_smollm2(), ServerSettings(model_name="smollm2"))  # doctest: +SKIP
+    >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ Requests that arrive while the model is busy join the next group, so batches gro
 A request whose caller gave up (disconnected, timed out) before its job starts is dropped from it;
 more than `max_queue` requests waiting raises `QueueFull` at once (the server answers 503).
 
->>> async def main():
-...     batcher = Batcher(lambda key, items: [item * 2 for item in items], window_s=0.01)
-...     return await asyncio.gather(*(batcher.submit("k", n, timeout=5) for n in range(3)))
->>> asyncio.run(main())
-[0, 2, 4]
+    >>> async def main():
+    ...     batcher = Batcher(lambda key, items: [item * 2 for item in items], window_s=0.01)
+    ...     return await asyncio.gather(*(batcher.submit("k", n, timeout=5) for n in range(3)))
+    >>> asyncio.run(main())
+    [0, 2, 4]
 """
 
 from __future__ import annotations

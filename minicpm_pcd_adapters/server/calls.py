@@ -12,11 +12,11 @@ Anything it cannot honour raises `APIError` (HTTP 400 with OpenAI's error body: 
 code) before any model work. The per-field scores go in an extension object on each choice,
 `choice["pcd"]`, which OpenAI clients keep as an extra attribute (`choice.pcd` in the `openai` SDK).
 
->>> call = parse_request(
-...     {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}, RequestLimits()
-... )
->>> type(call).__name__, call.messages
-('GenerateCall', [('user', 'Hi')])
+    >>> call = parse_request(
+    ...     {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}, RequestLimits()
+    ... )
+    >>> type(call).__name__, call.messages
+    ('GenerateCall', [('user', 'Hi')])
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ The answers are written in this protocol's shape by `answers.py` (`TextCompletio
 of a message, and `logprobs` as `tokens`, `token_logprobs`, `top_logprobs` and `text_offset`. A list
 of prompts answers with one choice per prompt (`n` each), in order.
 
->>> call = parse_completion({"model": "m", "prompt": ["A", "B"]}, RequestLimits())
->>> type(call).__name__, call.prompts, call.max_tokens
-('GenerateCall', ('A', 'B'), 16)
+    >>> call = parse_completion({"model": "m", "prompt": ["A", "B"]}, RequestLimits())
+    >>> type(call).__name__, call.prompts, call.max_tokens
+    ('GenerateCall', ('A', 'B'), 16)
 """
 
 from __future__ import annotations

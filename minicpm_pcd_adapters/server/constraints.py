@@ -12,8 +12,8 @@ request; a regex or a grammar is generation constrained by xgrammar. `structural
 constraints in one request are refused with a 400 that names them. Both request bodies (chat and
 text completions) take these fields from `ConstrainedDecoding`.
 
->>> read_constraint(ConstrainedDecoding(guided_choice=["yes", "no"]))
-Constraint(kind='choice', value=('yes', 'no'), param='guided_choice')
+    >>> read_constraint(ConstrainedDecoding(guided_choice=["yes", "no"]))
+    Constraint(kind='choice', value=('yes', 'no'), param='guided_choice')
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Every docs page renders as written: no markdown table or list left as a paragraph of raw text
-(`mkdocs build --strict` passes both). Pages are rendered by Python-Markdown with the site's own
-extensions, as mkdocs renders them."""
+"""Every docs page renders as written: no markdown table or list left as a paragraph of raw text, and
+no nested list flattened into its parent (`mkdocs build --strict` passes all three). Pages are
+rendered by Python-Markdown with the site's own extensions, as mkdocs renders them; Python-Markdown
+nests a list only under four spaces of indentation, where GitHub takes two."""
 
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ def unrendered(text: str) -> list[str]:
     return out
 
 
+def shallow_nested(text: str) -> list[str]:
+    """List items indented by one to three spaces outside code blocks: Python-Markdown flattens them
+    into the parent list."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"^ {1,3}([-*+]|\d+\.) \S", line):
+            out.append(line.strip()[:70])
+    return out
+
+
 def test_the_check_finds_a_list_and_a_table_without_a_blank_line_before_them():
     assert unrendered("Systems:\n- one\n- two\n") == ["a list item: - one", "a list item: - two"]
     found = unrendered("The ratios\n| a | b |\n|---|---|\n| 1 | 2 |\n")
@@ -70,6 +83,17 @@ def test_the_check_finds_a_list_and_a_table_without_a_blank_line_before_them():
     assert unrendered("Systems:\n\n- one\n\nThe ratios\n\n| a | b |\n|---|---|\n| 1 | 2 |\n") == []
 
 
+def test_the_check_finds_a_nested_list_indented_by_two_spaces():
+    flat = "- forms:\n  - auto\n  - none\n"
+    assert shallow_nested(flat) == ["- auto", "- none"]
+    html = markdown.markdown(flat, extensions=extensions())
+    assert html.count("<ul>") == 1  # what the check guards against: one flat list
+    assert shallow_nested(flat.replace("  -", "    -")) == []
+    assert markdown.markdown(flat.replace("  -", "    -"), extensions=extensions()).count("<ul>") == 2
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_table_and_list_of_the_page_renders(page):
     assert unrendered(page.read_text()) == []
+    if page.parent.name == "docs":  # README.md is read on GitHub, which nests under two spaces
+        assert shallow_nested(page.read_text()) == []
