@@ -1,0 +1,91 @@
+"""The pipeline's phases as public methods (pipeline.py): called one by one they give what `classify`
+gives; every phase skips the inputs that failed to render; the per-call options are declared once
+(options.py) and an unknown one is refused before any model work."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+from pcd_engine import ClassifyOptions, InputError, PCDEngine, PlanOptions
+from pcd_engine.request import Request
+
+
+class Ticket(BaseModel):
+    topic: Literal["billing", "bug", "other"]
+    urgent: bool
+
+
+TEXTS = ["I was charged twice", "The app crashes when I log in", "hello"]
+
+
+def test_the_phases_by_hand_give_classify_s_fields(engine):
+    pipeline = engine.pipeline
+    plan = pipeline.plan(Ticket)
+    requests = pipeline.render(plan, TEXTS)
+    pipeline.score(plan, requests)
+    pipeline.rescore(plan, requests)
+    pipeline.calibrate(plan, requests, abstain_below=0.9)
+    for text, request in zip(TEXTS, requests, strict=True):
+        assert isinstance(request, Request)
+        result = engine.classify(text, Ticket, abstain_below=0.9)
+        for path, field in result.fields.items():
+            assert request.fields[path].value == field.value
+            assert request.fields[path].abstained == field.abstained
+            for value, p in field.probabilities.items():
+                assert request.fields[path].probabilities[value] == pytest.approx(p, abs=1e-6)
+
+
+def test_a_calibration_fitted_on_the_batch_is_phase_four_s(engine):
+    plan = engine.pipeline.plan(Ticket)
+    requests = engine.pipeline.render(plan, TEXTS)
+    engine.pipeline.score(plan, requests)
+    engine.pipeline.calibrate(plan, requests, batch=True)
+    batched = engine.classify_batch(TEXTS, Ticket, calibrate="batch")
+    for request, result in zip(requests, batched, strict=True):
+        assert isinstance(request, Request) and not isinstance(result, Exception)
+        by_hand = {path: f.value for path, f in request.fields.items()}
+        assert by_hand == {path: f.value for path, f in result.fields.items()}
+        assert all(f.calibration == "batch" for f in request.fields.values())
+
+
+def test_every_phase_skips_an_input_that_failed_to_render(engine):
+    plan = engine.pipeline.plan(Ticket)
+    items = engine.pipeline.render(plan, [TEXTS[0], "   ", TEXTS[1]], return_exceptions=True)
+    assert isinstance(items[1], InputError) and "text #1" in str(items[1])
+    engine.pipeline.score(plan, items)
+    engine.pipeline.rescore(plan, items)
+    engine.pipeline.calibrate(plan, items, abstain_below=0.5)
+    assert all(isinstance(items[k], Request) and items[k].fields for k in (0, 2))
+    with pytest.raises(InputError):
+        engine.pipeline.render(plan, ["   "])
+
+
+def test_an_unknown_option_is_refused_before_any_model_work(tiny_model, tiny_tokenizer):
+    engine = PCDEngine(tiny_model, tiny_tokenizer)
+    with pytest.raises(TypeError, match=r"'abstain_belo'.*abstain_below"):
+        engine.classify(TEXTS[0], Ticket, abstain_belo=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'temperature'"):
+        engine.classify_batch(TEXTS, Ticket, temperature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'rules'.*plan options"):
+        engine.calibrate(Ticket, TEXTS, rules="option")  # type: ignore[call-arg]
+    assert engine.prefix_cache is not None and engine.prefix_cache.stats.misses == 0
+
+
+def test_the_options_are_declared_once_and_every_call_takes_them():
+    assert set(PlanOptions.__optional_keys__) == {"instructions", "rule", "allow_generation", "examples"}
+    assert set(ClassifyOptions.__optional_keys__) > set(PlanOptions.__optional_keys__)
+    for method, options in [
+        (PCDEngine.classify, ClassifyOptions),
+        (PCDEngine.classify_batch, ClassifyOptions),
+        (PCDEngine.plan, PlanOptions),
+        (PCDEngine.calibrate, PlanOptions),
+        (PCDEngine.suggest_labels, PlanOptions),
+    ]:
+        parameters = inspect.signature(method).parameters
+        assert parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
+        assert options.__name__ in str(parameters["options"].annotation)
+        assert not set(parameters) & set(options.__optional_keys__)  # not written out again
