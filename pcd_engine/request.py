@@ -137,27 +137,6 @@ class Request:
         return PCDResult(to_output(self.value), self.fields, diagnostics, self.token_logprobs)
 
 
-def render_all(
-    prompt: ChatPrompt,
-    plan: SchemaPlan,
-    texts: Sequence[Any],
-    limits: Limits,
-    single: bool,
-    return_exceptions: bool,
-    allow_empty: bool = False,
-) -> list[Request | PCDError]:
-    """A request per input, or (with `return_exceptions`) the error that input raised in its place."""
-    items: list[Request | PCDError] = []
-    for index, text in enumerate(texts):
-        try:
-            items.append(Request.render(prompt, plan, text, limits, None if single else index, allow_empty))
-        except PCDError as error:
-            if not return_exceptions:
-                raise
-            items.append(error)
-    return items
-
-
 def in_order(
     items: Sequence[Request | PCDError],
     to_output: Callable[[BaseModel], Any],
