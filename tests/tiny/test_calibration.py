@@ -1,5 +1,6 @@
-"""Calibration, abstention and in-context examples: the math on synthetic scores, then the engine on
-a tiny random Llama (what is applied, what is refused, what the head holds)."""
+"""Calibrations on the engine (calibration.py), on a tiny random Llama: applied, saved and loaded,
+refused for another schema, rule, model or precision; batch calibration; abstention. The fitting
+itself is in unit/test_fitting.py, examples in test_plan.py."""
 
 from __future__ import annotations
 
@@ -11,18 +12,10 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from pcd_engine import DEFAULT_RULE, AbstentionError, Calibration, CalibrationError, PCDEngine, metrics
+from pcd_engine import DEFAULT_RULE, AbstentionError, Calibration, CalibrationError, PCDEngine
 from pcd_engine.fitting import (
     LOG_LOSS_TIE,
-    decision_labels,
-    fit_batch,
-    fit_labeled,
-    folds_of,
-    out_of_fold,
 )
-from pcd_engine.schema import compile_schema
-
-VALUES = ("a", "b", "c")
 
 
 class Ticket(BaseModel):
@@ -59,77 +52,6 @@ def synthetic(n: int, bias: list[float], seed: int = 0) -> tuple[torch.Tensor, t
     z = torch.randn(n, len(bias), generator=generator, dtype=torch.float64) * 2
     labels = torch.multinomial(torch.softmax(z + torch.tensor(bias), dim=1), 1, generator=generator)
     return z, labels[:, 0]
-
-
-def test_a_known_bias_is_recovered():
-    bias = [1.0, -0.5, -0.5]
-    z, labels = synthetic(6000, bias)
-    fitted = fit_labeled("bias", VALUES, z, labels)
-    assert fitted.temperature == pytest.approx(1.0, abs=0.08)
-    assert list(fitted.bias) == pytest.approx(bias, abs=0.12)  # centred, as the truth is
-
-
-def test_a_known_temperature_is_recovered():
-    z, labels = synthetic(6000, [0.0, 0.0, 0.0])
-    fitted = fit_labeled("temperature", VALUES, z * 3.0, labels)  # the rule is 3x overconfident
-    assert fitted.temperature == pytest.approx(3.0, rel=0.1)
-    assert fitted.bias == ()
-
-
-def test_ece_of_a_calibrated_predictor_is_near_zero_and_of_an_overconfident_one_is_not():
-    z, labels = synthetic(20000, [0.0, 0.0, 0.0])
-    calibrated = torch.softmax(z, dim=1).tolist()
-    overconfident = torch.softmax(z * 4, dim=1).tolist()
-    assert metrics.ece(calibrated, labels.tolist()) < 0.02
-    assert metrics.ece(overconfident, labels.tolist()) > 0.1
-
-
-def test_metrics_on_a_hand_checked_case():
-    probs = [[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]]
-    labels = [0, 1, 1, 0]
-    assert metrics.accuracy(probs, labels) == 0.75
-    # value 0: tp 2, fp 1, fn 0 -> 0.8; value 1: tp 1, fp 0, fn 1 -> 2/3
-    assert metrics.macro_f1(probs, labels) == pytest.approx((0.8 + 2 / 3) / 2)
-    assert metrics.confusion(probs, labels, 2) == [[2, 0], [1, 1]]
-    assert metrics.majority_floor([0, 0, 1], labels) == 0.5
-    curve = metrics.coverage_accuracy(probs, labels)
-    assert curve[0] == {"threshold": 0.6, "coverage": 1.0, "accuracy": 0.75}
-    assert curve[-1] == {"threshold": 0.9, "coverage": 0.25, "accuracy": 1.0}
-
-
-def test_batch_calibration_evens_out_a_value_favoured_for_every_input():
-    z, _ = synthetic(3000, [0.0, 0.0, 0.0])
-    favoured = z + torch.tensor([2.0, 0.0, 0.0])
-    fitted = fit_batch(VALUES, favoured)
-    before = torch.softmax(favoured, dim=1).argmax(dim=1).bincount(minlength=3) / 3000
-    after = torch.softmax(fitted.logits(favoured), dim=1).argmax(dim=1).bincount(minlength=3) / 3000
-    assert before[0] > 0.6
-    # it divides by each value's mean probability: the favoured value loses most of its lead
-    assert after[0] < 0.5 and (after - 1 / 3).abs().max() < (before - 1 / 3).abs().max() / 2
-
-
-def test_out_of_fold_probabilities_never_come_from_a_map_fitted_on_their_own_row():
-    """Uninformative scores and labels that differ by fold: a map fitted on a row's own fold would
-    predict its label; fitted on the other folds only, it predicts the other folds' label."""
-    n, folds = 40, 4
-    fold = folds_of(n, folds)
-    labels = torch.tensor([0 if k == 0 else 1 for k in fold])
-    z = torch.zeros(n, 2, dtype=torch.float64)
-    held = out_of_fold("bias", VALUES[:2], z, labels, fold)
-    predicted = held.argmax(dim=1)
-    assert all(int(predicted[i]) == 1 for i in range(n) if fold[i] == 0)
-    assert sorted(fold.count(k) for k in range(folds)) == [10] * 4
-
-
-def test_labels_are_read_per_decision_and_bad_ones_are_refused():
-    compiled = compile_schema(Tagged)
-    got = decision_labels(compiled, {"topic": "crash", "tags": ["bug"]}, 0)
-    assert got == {"topic": "crash", "tags[refund]": False, "tags[bug]": True}
-    assert decision_labels(compiled, {"topic": "other"}, 1) == {"topic": "other"}  # partial: fine
-    with pytest.raises(CalibrationError, match=r"label #3: field 'topic' is 'refund'"):
-        decision_labels(compiled, {"topic": "refund"}, 3)
-    with pytest.raises(CalibrationError, match="label #0 must be an object"):
-        decision_labels(compiled, "crash", 0)
 
 
 def test_a_fitted_calibration_is_applied_and_survives_save_and_load(engine, tmp_path):
@@ -265,82 +187,3 @@ def test_abstention_flags_fields_below_the_threshold_and_can_raise(engine):
         engine.classify(TEXTS[0], Ticket, abstain_below=1.5)
     default = PCDEngine(engine.model, engine.tokenizer, abstain_below=1.0)
     assert default.classify(TEXTS[0], Ticket).needs_review
-
-
-def test_examples_sit_in_the_cached_head_and_cost_nothing_after_the_first_call(engine):
-    examples = [(TEXTS[0], LABELS[0]), (TEXTS[1], Ticket(**LABELS[1]))]
-    plan = engine.plan(Ticket, examples=examples)
-    bare = engine.plan(Ticket)
-    assert plan.head != bare.head and plan.fingerprint != bare.fingerprint
-    # the head is exactly the chat template's rendering of the examples as earlier turns
-    answer = json.dumps(LABELS[0])
-    turns = [("system", plan.system), ("user", TEXTS[0]), ("assistant", answer)]
-    turns += [("user", TEXTS[1]), ("assistant", json.dumps(LABELS[1])), ("user", "TEXT")]
-    whole = engine.prompt.render_messages(turns)
-    assert whole == [*plan.head, *engine.prompt.encode_text("TEXT"), *engine.prompt.tail]
-    first = engine.classify(TEXTS[2], Ticket, examples=examples)
-    second = engine.classify(TEXTS[3], Ticket, examples=examples)
-    assert second.diagnostics.prefix_cache_hit
-    assert second.diagnostics.cached_tokens >= len(plan.head)
-    assert second.diagnostics.forward_calls == 1
-    assert first.fields["topic"].log_scores != engine.classify(TEXTS[2], Ticket).fields["topic"].log_scores
-
-
-def test_a_schema_can_carry_default_examples_and_bad_examples_are_input_errors(engine):
-    from typing import ClassVar
-
-    from pcd_engine import InputError
-
-    class WithExamples(Ticket):
-        pcd_examples: ClassVar[list[tuple[str, dict]]] = [(TEXTS[0], LABELS[0])]
-
-    assert engine.plan(WithExamples).examples == ((TEXTS[0], json.dumps(LABELS[0])),)
-    assert engine.plan(WithExamples, examples=[]).examples == ()
-    with pytest.raises(InputError, match=r"example #0: the answer is not a valid Ticket"):
-        engine.classify(TEXTS[0], Ticket, examples=[(TEXTS[0], {"topic": "nope", "urgent": True})])
-    with pytest.raises(InputError, match="example #1 must be a"):
-        engine.classify(TEXTS[0], Ticket, examples=[(TEXTS[0], LABELS[0]), "just text"])
-
-
-def test_code_rule_examples_answer_with_codes(engine):
-    plan = engine.plan(Ticket, rule="code", examples=[(TEXTS[0], LABELS[0])])
-    assert plan.examples == ((TEXTS[0], '{"topic": "A", "urgent": true}'),)
-    decoded = engine.tokenizer.decode(list(plan.head))
-    assert '{"topic": "A", "urgent": true}' in decoded
-
-
-def test_the_plain_wording_writes_field_lines_and_scores_labels_after_a_space(tiny_model, tiny_tokenizer):
-    plain = PCDEngine(tiny_model, tiny_tokenizer, branch_wording="plain")
-    plan = plain.plan(Tagged, examples=[(TEXTS[0], {"topic": "billing", "tags": ["refund"]})])
-    decode = tiny_tokenizer.decode
-    topic = plan.trees[0]
-    assert [decode(list(topic.continuation(c))) for c in range(3)] == [" billing\n", " crash\n", " other\n"]
-    assert plan.examples[0][1] == "topic: billing\ntags.refund: true\ntags.bug: false"
-    assert "field: value" in plan.system
-    json_plan = PCDEngine(tiny_model, tiny_tokenizer).plan(Tagged)
-    assert decode(list(json_plan.trees[0].continuation(0))) == 'billing"}'  # the quote joins the prefix
-    assert plan.fingerprint != json_plan.fingerprint
-    result = plain.classify(TEXTS[0], Tagged)
-    assert set(result.fields) == {"topic", "tags[refund]", "tags[bug]"}
-    with pytest.raises(ValueError, match="unknown branch wording"):
-        PCDEngine(tiny_model, tiny_tokenizer, branch_wording="yaml")
-
-
-def test_evaluate_counts_every_text_and_recalibrating_equals_classifying_with_the_calibration(engine):
-    from pcd_engine import evaluate
-
-    texts = [*TEXTS, 42]  # a bad input gets an error record, not a silent drop
-    labels = [*LABELS, LABELS[0]]
-    evaluation = evaluate(engine, Ticket, texts, labels)
-    summary = evaluation.summary
-    assert summary["texts"] == 7 and summary["answered"] == 6 and summary["errors"] == 1
-    assert evaluation.errors[0]["index"] == 6 and evaluation.errors[0]["type"] == "InputError"
-    topic = evaluation.fields["topic"]
-    assert len(topic.labels) == 6 and topic.report()["confusion"]["values"] == ["billing", "crash", "other"]
-    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="bias", folds=3)
-    again = evaluation.recalibrated(cal)
-    direct = engine.classify_batch(TEXTS, Ticket, calibration=cal)
-    for probs, result in zip(again.fields["topic"].probabilities, direct, strict=True):
-        assert probs == pytest.approx(list(result.fields["topic"].probabilities.values()), abs=1e-6)
-    right = [r.fields["topic"].value == y["topic"] for r, y in zip(direct, LABELS, strict=True)]
-    assert again.fields["topic"].report()["accuracy"] == pytest.approx(sum(right) / 6)

@@ -1,10 +1,10 @@
-"""Open fields: compiler split, pinned JSON schema, budgets, output types, mixed models on a tiny Llama."""
+"""Open fields generated after the scored ones (filling.py) on a tiny Llama: scored values written into
+the JSON, retries, budgets, batches with a poisoned input, token log-probabilities."""
 
 from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, time
 from enum import Enum
 from typing import Annotated, ClassVar, Literal, TypedDict
 
@@ -19,8 +19,6 @@ from pcd_engine import (
     UnsupportedSchemaError,
     compile_schema,
 )
-from pcd_engine.json_schema import capped, model_schema, pinned_schema, token_budget
-from pcd_engine.output_types import output_type
 
 
 class Kind(str, Enum):
@@ -70,112 +68,6 @@ def test_a_bounded_int_too_wide_to_score_is_generated():
     compiled = compile_schema(Order, Limits(), allow_open=True)
     assert [f.path for f in compiled.open_fields] == ["quantity"]
     assert "max_candidates" in compiled.open_fields[0].reason
-
-
-def test_pinned_schema_fixes_scored_values_first_and_requires_them():
-    compiled = compile_schema(Ticket, Limits(), allow_open=True)
-    chosen = {"topic": "bug", "refund": True, "priority": 2, "shipping.method": "sea"}
-    closed = compiled.closed_values(chosen)
-    pinned = pinned_schema(model_schema(Ticket), closed, [f.json_keys for f in compiled.open_fields])
-    assert list(pinned["properties"]) == ["topic", "refund", "priority", "summary", "shipping", "tags"]
-    assert pinned["properties"]["topic"] == {"const": "bug"}
-    assert pinned["required"] == ["topic", "refund", "priority", "summary", "shipping"]  # tags has a default
-    shipping = pinned["properties"]["shipping"]  # a nested model with a scored leaf is inlined
-    assert list(shipping["properties"]) == ["method", "note"] and shipping["properties"]["method"] == {
-        "const": "sea"
-    }
-    assert shipping["required"] == ["method", "note"]
-
-
-def test_capped_schema_bounds_every_string_and_list():
-    schema = capped(model_schema(Ticket), max_string_length=50, max_items=3)
-    props = schema["properties"]
-    assert props["summary"]["maxLength"] == 20  # the model's own bound is kept
-    assert props["tags"]["maxItems"] == 2 and props["tags"]["items"]["maxLength"] == 50
-    assert schema["$defs"]["Shipping"]["properties"]["note"]["maxLength"] == 12
-    assert "maxLength" not in schema["$defs"]["Kind"]  # an enum is not free text
-    assert token_budget(schema) < token_budget(model_schema(Ticket))
-
-
-def test_token_budget_is_finite_and_follows_max_length():
-    schema = model_schema(Ticket)
-    short = token_budget(schema, default_string_tokens=10)
-    assert 0 < short < token_budget(schema, default_string_tokens=100)
-    bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 7}}}
-    assert token_budget(bounded) == 2 + len('"s"') + 3 + 7 + 2
-
-
-def test_datetime_and_time_texts_are_bounded_so_generation_always_ends(engine):
-    """xgrammar's own date-time grammar allows any number of fraction digits (a model writing digits
-    ran out of its budget); the capped schema stops at microseconds and budgets the longest text."""
-    from xgrammar import Grammar
-    from xgrammar.testing import _is_grammar_accept_string
-
-    class Meeting(BaseModel):
-        when: datetime
-        at: time | None
-
-    schema = capped(model_schema(Meeting), 1000, 64)
-    grammar = Grammar.from_json_schema(json.dumps(schema))
-    for when, accepted in [
-        ("2025-03-03T10:30:00Z", True),
-        ("2025-03-03T10:30:00.123456+05:00", True),
-        ("2025-03-03T10:30:00.1234567Z", False),
-        ("2025-03-03T10:30:4999999Z", False),  # xgrammar read `(\.[0-9]{1,6})?` with an optional dot
-        ("2025-13-03T10:30:00Z", False),
-    ]:
-        text = json.dumps({"when": when, "at": "10:30:00.5"}, separators=(",", ":"))
-        assert _is_grammar_accept_string(grammar, text) is accepted, when
-    assert token_budget(schema) < 100  # was over 500: two default-length strings
-    result = engine.classify("Meet me on 3 March 2025 at 10:30", Meeting)
-    assert isinstance(result.value.when, datetime)
-
-
-def test_typed_dict_follows_langchain_annotated_convention():
-    class Joke(TypedDict):
-        """A joke to tell the user."""
-
-        setup: Annotated[str, ..., "The setup of the joke"]
-        punchline: Annotated[str | None, None, "The punchline"]
-        rating: Annotated[int, Field(ge=1, le=10)]
-
-    target = output_type(Joke)
-    fields = target.model.model_fields
-    assert target.returns_dict and target.model.__doc__ == "A joke to tell the user."
-    assert fields["setup"].is_required() and fields["setup"].description == "The setup of the joke"
-    assert not fields["punchline"].is_required() and fields["punchline"].default is None
-    assert compile_schema(target.model, Limits(), allow_open=True).fields[0].path == "rating"  # bounded int
-    assert target.to_output(target.model(setup="s", rating=3)) == {"setup": "s", "rating": 3}
-
-
-@pytest.mark.parametrize(
-    "schema",
-    [
-        {
-            "title": "Pick",
-            "type": "object",
-            "properties": {"kind": {"enum": ["a", "b"]}},
-            "required": ["kind"],
-        },
-        {"name": "Pick", "parameters": {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}}},
-        {
-            "type": "function",
-            "function": {"name": "Pick", "parameters": {"properties": {"kind": {"enum": ["a", "b"]}}}},
-        },
-    ],
-)
-def test_json_schema_dicts_become_models_with_closed_fields(schema):
-    target = output_type(schema)
-    assert target.returns_dict and target.model.__name__ == "Pick"
-    assert compile_schema(target.model).fields[0].candidates[0].value == "a"
-    assert output_type(dict(schema)) is target  # converted once per distinct schema
-
-
-def test_bad_schemas_raise_unsupported_schema_error():
-    with pytest.raises(UnsupportedSchemaError, match="TypedDict or a JSON-schema dict"):
-        output_type(int)
-    with pytest.raises(UnsupportedSchemaError, match="object with 'properties'"):
-        output_type({"type": "string"})
 
 
 @pytest.fixture

@@ -151,28 +151,3 @@ def test_a_prompt_with_no_past_is_causal_and_trees_restart_after_it():
     assert packed.columns == [(3, 4), (5, 6)]
     assert allowed[5:, 3:5].sum() == 0  # the second tree sees nothing of the first
     assert pack_inputs([5, 6, 7], 0, [tree, tree]).columns == [(3, 4), (3, 4)]  # one chain, fed once
-
-
-def test_the_head_projects_all_trees_rows_together_in_chunks_that_cross_trees(
-    tiny_tokenizer, tiny_model, monkeypatch
-):
-    from pcd_engine import projection
-
-    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option")
-    plan = engine.plan(Wide)
-    rows = sum(len(t.scored) for t in plan.trees)
-    hidden = torch.randn(2, rows, tiny_model.config.hidden_size)
-    normalized = [True, False] * (len(plan.trees) // 2) + [True] * (len(plan.trees) % 2)
-    whole = engine.runner.projection.project(hidden, plan.trees, normalized)
-    vocab = tiny_model.config.vocab_size
-    monkeypatch.setitem(projection.LOGITS_BYTES, "cpu", 4 * vocab * 3)  # chunks of 3 rows
-    chunked = engine.runner.projection.project(hidden, plan.trees, normalized)
-    head = tiny_model.get_output_embeddings()
-    start = 0
-    for tree, norm, got, again in zip(plan.trees, normalized, whole, chunked, strict=True):
-        h = hidden[:, start : start + len(tree.scored)]
-        start += len(tree.scored)
-        logits = head(h).float()
-        want = torch.log_softmax(logits, dim=-1) if norm else logits
-        assert torch.allclose(got, want[..., list(tree.vocab)], atol=1e-5)
-        assert torch.allclose(again, got, atol=1e-5)

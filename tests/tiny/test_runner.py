@@ -1,5 +1,5 @@
-"""Batched scoring (many requests per forward call), the OOM guard, and the LM head restricted to
-the scored tokens: all must give the scores of one-by-one calls (tiny random Llama, fp32)."""
+"""The forward calls (runner.py): many requests per call, rows within the token budget, left padding,
+the OOM guard; all must give the scores of one-by-one calls (tiny random Llama, fp32)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import torch
 
 from pcd_engine import PCDEngine
 from pcd_engine.packing import pack_inputs, pack_rows
-from pcd_engine.rules import GreedyRule
-from pcd_engine.runner import PassStats
-from tests.helpers import TEXT, TEXTS, ForwardCounter, Wide, assert_same_scores
+from tests.helpers import TEXTS, ForwardCounter, Wide, assert_same_scores
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -98,85 +96,3 @@ def test_rows_are_left_padded_so_trees_share_offsets():
         assert torch.equal(allowed[row, pad:, 2 + pad :], own[0, 0, :, 2:])
         assert not allowed[row, pad:, 2 : 2 + pad].any()  # nobody sees the padding
     assert allowed[1, 0].tolist() == [False, False, True, False, False, False]  # a pad sees itself
-
-
-def test_rules_without_a_normaliser_compute_only_the_scored_lm_head_rows(tiny_tokenizer, tiny_model):
-    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy")
-    plan = engine.plan(Wide)
-    assert plan.normalized == (False,) * len(plan.trees)
-    engine.classify("warm up", Wide)
-    calls = ForwardCounter(tiny_model.lm_head)
-    try:
-        result = engine.classify(TEXT, Wide)
-        batched = engine.classify_batch(TEXTS, Wide)
-    finally:
-        calls.close()
-    assert calls.rows == []  # the LM head module never ran: only its rows for the trees' tokens
-    prompt = engine.prompt.with_head(plan.head, TEXT).ids
-    full = engine.runner.run(prompt, plan.trees, PassStats(), normalized=[True] * len(plan.trees))
-    rule = GreedyRule()
-    for dp, logprobs in zip([d for d in plan.decisions if d.tree], full, strict=True):
-        want = rule.score(dp.tree, logprobs)
-        got = result.fields[dp.decision.path]
-        assert got.value == dp.decision.candidates[want.chosen].value
-        assert list(got.log_scores.values()) == pytest.approx(list(want.log_scores), abs=1e-4)
-    singles = [engine.classify(text, Wide) for text in TEXTS]
-    assert_same_scores(batched, singles)
-
-
-def test_option_rule_sees_log_probs_normalised_over_the_whole_vocabulary(tiny_tokenizer, tiny_model):
-    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option")
-    plan = engine.plan(Wide)
-    prompt = engine.prompt.with_head(plan.head, TEXT).ids
-    (first, *_) = engine.runner.run(prompt, plan.trees, PassStats(), normalized=plan.normalized)
-    assert first.shape == (len(plan.trees[0].scored), len(plan.trees[0].vocab))
-    assert bool((first <= 0).all())  # log-probs, not logits
-    assert len(plan.trees[0].vocab) < len(tiny_tokenizer)
-
-
-def test_diagnostics_say_whether_the_prefix_cache_served_the_head(tiny_tokenizer, tiny_model):
-    cached = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy")
-    assert cached.classify("a", Wide).diagnostics.prefix_cache_hit is False
-    assert cached.classify("b", Wide).diagnostics.prefix_cache_hit is True
-    assert all(r.diagnostics.prefix_cache_hit for r in cached.classify_batch(["c", "d"], Wide))
-    assert cached.prefix_cache is not None and cached.prefix_cache.stats.misses == 1
-    off = PCDEngine(tiny_model, tiny_tokenizer, rule="greedy", prefix_cache=False)
-    assert off.classify("a", Wide).diagnostics.prefix_cache_hit is None
-
-
-@pytest.mark.parametrize("rule", ["option-cc", "greedy"])
-def test_models_whose_logits_are_not_the_plain_lm_head_use_the_full_forward(tiny_tokenizer, tiny_model, rule):
-    split = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
-    whole = PCDEngine(tiny_model, tiny_tokenizer, rule=rule)
-    whole.runner.projection.head_splits = False  # as if the model scaled or soft-capped its logits
-    counter = ForwardCounter(tiny_model)
-    try:
-        want = whole.classify_batch(TEXTS, Wide)
-    finally:
-        counter.close()
-    assert counter.rows  # the whole model's forward ran
-    assert split.runner.projection.head_splits
-    assert_same_scores(split.classify_batch(TEXTS, Wide), want)
-
-
-def test_cached_entries_share_tensors_and_are_never_changed(tiny_tokenizer, tiny_model):
-    from pcd_engine.cache import frozen_view, private_copy
-
-    engine = PCDEngine(tiny_model, tiny_tokenizer)
-    engine.classify("first", Wide)
-    assert engine.prefix_cache is not None
-    ((stored, _),) = list(engine.prefix_cache._entries.values())
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in stored.layers]
-    engine.classify(TEXT, Wide)
-    engine.classify_batch(TEXTS, Wide)
-    for layer, (keys, values) in zip(stored.layers, before, strict=True):
-        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
-    length = stored.get_seq_length()
-    copy_ = private_copy(stored)
-    assert copy_.layers[0].keys.data_ptr() == stored.layers[0].keys.data_ptr()  # no tensor memory
-    copy_.crop(-2)
-    assert stored.get_seq_length() == length
-    view = frozen_view(stored, rows=3)
-    keys, _ = view.layers[0].update(torch.zeros(3, 2, 4, 16), torch.zeros(3, 2, 4, 16))
-    assert keys.shape == (3, 2, length + 4, 16) and view.get_seq_length() == length
-    assert frozen_view(object()) is None

@@ -1,0 +1,54 @@
+"""An engine measured on labeled texts (evaluation.py): every text counted, and re-calibrating the
+kept scores equals classifying with the calibration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+
+class Ticket(BaseModel):
+    topic: Literal["billing", "crash", "other"]
+    urgent: bool
+
+
+TEXTS = [
+    "I was charged twice for my order",
+    "The app crashes when I log in",
+    "Where is my parcel?",
+    "please refund me",
+    "How do I change my password?",
+    "charged twice, app crashes",
+]
+
+
+LABELS = [
+    {"topic": "billing", "urgent": True},
+    {"topic": "crash", "urgent": True},
+    {"topic": "other", "urgent": False},
+    {"topic": "billing", "urgent": False},
+    {"topic": "other", "urgent": False},
+    {"topic": "crash", "urgent": True},
+]
+
+
+def test_evaluate_counts_every_text_and_recalibrating_equals_classifying_with_the_calibration(engine):
+    from pcd_engine import evaluate
+
+    texts = [*TEXTS, 42]  # a bad input gets an error record, not a silent drop
+    labels = [*LABELS, LABELS[0]]
+    evaluation = evaluate(engine, Ticket, texts, labels)
+    summary = evaluation.summary
+    assert summary["texts"] == 7 and summary["answered"] == 6 and summary["errors"] == 1
+    assert evaluation.errors[0]["index"] == 6 and evaluation.errors[0]["type"] == "InputError"
+    topic = evaluation.fields["topic"]
+    assert len(topic.labels) == 6 and topic.report()["confusion"]["values"] == ["billing", "crash", "other"]
+    cal = engine.calibrate(Ticket, TEXTS, LABELS, method="bias", folds=3)
+    again = evaluation.recalibrated(cal)
+    direct = engine.classify_batch(TEXTS, Ticket, calibration=cal)
+    for probs, result in zip(again.fields["topic"].probabilities, direct, strict=True):
+        assert probs == pytest.approx(list(result.fields["topic"].probabilities.values()), abs=1e-6)
+    right = [r.fields["topic"].value == y["topic"] for r, y in zip(direct, LABELS, strict=True)]
+    assert again.fields["topic"].report()["accuracy"] == pytest.approx(sum(right) / 6)
