@@ -1,16 +1,15 @@
 """The pipeline's phases as public methods (pipeline.py): called one by one they give what `classify`
-gives; every phase skips the inputs that failed to render; the per-call options are declared once
-(options.py) and an unknown one is refused before any model work."""
+gives; every phase skips the inputs that failed to render; an unknown option is refused before any
+model work (the options themselves: unit/test_options.py)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Literal
 
 import pytest
 from pydantic import BaseModel
 
-from pcd_engine import ClassifyOptions, InputError, PCDEngine, PlanOptions
+from pcd_engine import InputError, PCDEngine
 from pcd_engine.request import Request
 
 
@@ -73,19 +72,3 @@ def test_an_unknown_option_is_refused_before_any_model_work(tiny_model, tiny_tok
     with pytest.raises(TypeError, match=r"'rules'.*plan options"):
         engine.calibrate(Ticket, TEXTS, rules="option")  # type: ignore[call-arg]
     assert engine.prefix_cache is not None and engine.prefix_cache.stats.misses == 0
-
-
-def test_the_options_are_declared_once_and_every_call_takes_them():
-    assert set(PlanOptions.__optional_keys__) == {"instructions", "rule", "allow_generation", "examples"}
-    assert set(ClassifyOptions.__optional_keys__) > set(PlanOptions.__optional_keys__)
-    for method, options in [
-        (PCDEngine.classify, ClassifyOptions),
-        (PCDEngine.classify_batch, ClassifyOptions),
-        (PCDEngine.plan, PlanOptions),
-        (PCDEngine.calibrate, PlanOptions),
-        (PCDEngine.suggest_labels, PlanOptions),
-    ]:
-        parameters = inspect.signature(method).parameters
-        assert parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
-        assert options.__name__ in str(parameters["options"].annotation)
-        assert not set(parameters) & set(options.__optional_keys__)  # not written out again
