@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from enum import Enum
 from typing import Annotated, ClassVar, Literal, TypedDict
 
 import pytest
@@ -17,57 +16,7 @@ from pcd_engine import (
     PCDEngine,
     StructuredOutputError,
     UnsupportedSchemaError,
-    compile_schema,
 )
-
-
-class Kind(str, Enum):
-    BUG = "bug"
-    BILLING = "billing"
-
-
-class Shipping(BaseModel):
-    method: Literal["air", "sea"]
-    note: str = Field(max_length=12)
-
-
-class Ticket(BaseModel):
-    """A support ticket."""
-
-    topic: Kind
-    summary: str = Field(max_length=20, description="One line.")
-    refund: bool
-    priority: int = Field(ge=1, le=3)
-    shipping: Shipping
-    tags: list[str] = Field(default_factory=list, max_length=2)
-
-
-def test_compiler_splits_closed_and_open_fields_in_declaration_order():
-    compiled = compile_schema(Ticket, Limits(), allow_open=True)
-    assert [f.path for f in compiled.fields] == ["topic", "refund", "priority", "shipping.method"]
-    assert [f.path for f in compiled.open_fields] == ["summary", "shipping.note", "tags"]
-    assert compiled.order == (
-        "topic",
-        "summary",
-        "refund",
-        "priority",
-        "shipping.method",
-        "shipping.note",
-        "tags",
-    )
-    assert "free text" in compiled.open_fields[0].reason
-    with pytest.raises(UnsupportedSchemaError, match=r"'summary'.*free text"):
-        compile_schema(Ticket)  # allow_open defaults to False
-
-
-def test_a_bounded_int_too_wide_to_score_is_generated():
-    class Order(BaseModel):
-        quantity: int = Field(ge=0, le=10_000)
-        gift: bool
-
-    compiled = compile_schema(Order, Limits(), allow_open=True)
-    assert [f.path for f in compiled.open_fields] == ["quantity"]
-    assert "max_candidates" in compiled.open_fields[0].reason
 
 
 @pytest.fixture
