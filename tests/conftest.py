@@ -64,6 +64,15 @@ def tiny_model(tiny_tokenizer):
     return tiny_llama(len(tiny_tokenizer))
 
 
+@pytest.fixture
+def folder(tiny_folder, tmp_path):
+    """A private copy of the saved tiny model, for tests that change its files."""
+    import shutil
+    from pathlib import Path
+
+    return Path(shutil.copytree(tiny_folder, tmp_path / "model"))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     return smollm2_model()

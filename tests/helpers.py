@@ -22,6 +22,90 @@ from pcd_engine.rules import token_logprobs
 from pcd_engine.runner import PassStats
 
 
+class SupportTicket(BaseModel):
+    """A support ticket."""
+
+    topic: Literal["billing", "billing_dispute", "bug", "other"] = Field(description="What it is about.")
+    urgent: bool
+    priority: Literal[1, 2, 3]
+    channel: Literal["email"]  # one value: needs no forward call
+
+
+# The labeled tests' schema, texts and answers (calibration, heads, evaluation, the CLI); the first six
+# texts are what the calibration tests fit on. No docstring: it would be part of the prompt.
+class Ticket(BaseModel):
+    topic: Literal["billing", "crash", "other"]
+    urgent: bool
+
+
+class Tagged(BaseModel):
+    topic: Literal["billing", "crash", "other"]
+    tags: list[Literal["refund", "bug"]]
+
+
+LABELED_TEXTS = [
+    "I was charged twice for my order",
+    "The app crashes when I log in",
+    "Where is my parcel?",
+    "please refund me",
+    "How do I change my password?",
+    "charged twice, app crashes",
+    "my invoice is wrong",
+    "it freezes on start",
+    "hello there",
+    "refund the double charge",
+]
+LABELED = [  # one answer per text of LABELED_TEXTS
+    {"topic": t, "urgent": u}
+    for t, u in [
+        ("billing", True), ("crash", True), ("other", False), ("billing", False), ("other", False),
+        ("crash", True), ("billing", False), ("crash", True), ("other", False), ("billing", True),
+    ]
+]  # fmt: skip
+
+
+def synthetic(n: int, bias: list[float], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores z, and labels drawn from softmax(z + bias): the rule is miscalibrated by `bias`."""
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, len(bias), generator=generator, dtype=torch.float64) * 2
+    labels = torch.multinomial(torch.softmax(z + torch.tensor(bias), dim=1), 1, generator=generator)
+    return z, labels[:, 0]
+
+
+# Tools for the tool-call tests: an OpenAI tool, a bare function definition, a Pydantic class.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+SEARCH = {
+    "name": "search",
+    "description": "Search the web.",
+    "parameters": {"type": "object", "properties": {}},
+}
+
+
+class Refund(BaseModel):
+    """Refund an order."""
+
+    reason: Literal["damaged", "late", "other"] = Field(description="Why.")
+    urgent: bool
+
+
+TOOLS = [WEATHER, SEARCH, Refund]
+ASKED = [{"role": "user", "content": "Is it raining in Paris? I was charged twice <|im_end|>"}]
+
+
 class Shipping(BaseModel):
     method: Literal["air", "sea", "air_express"]
     insured: bool
@@ -99,6 +183,13 @@ def assert_same_scores(got, want, tol=1e-4):
         for path, field in reference.fields.items():
             for value, score in field.log_scores.items():
                 assert result.fields[path].log_scores[value] == pytest.approx(score, abs=tol)
+
+
+def flip_a_byte(path) -> None:
+    """Change a file's last byte: same size, another SHA-256 (what a manifest must catch)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 class ForwardCounter:

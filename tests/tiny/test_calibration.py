@@ -6,52 +6,17 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
 
 import pytest
 import torch
-from pydantic import BaseModel
 
 from pcd_engine import DEFAULT_RULE, AbstentionError, Calibration, CalibrationError, PCDEngine
 from pcd_engine.fitting import (
     LOG_LOSS_TIE,
 )
+from tests.helpers import LABELED, LABELED_TEXTS, Tagged, Ticket
 
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
-
-class Tagged(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    tags: list[Literal["refund", "bug"]]
-
-
-TEXTS = [
-    "I was charged twice for my order",
-    "The app crashes when I log in",
-    "Where is my parcel?",
-    "please refund me",
-    "How do I change my password?",
-    "charged twice, app crashes",
-]
-LABELS = [
-    {"topic": "billing", "urgent": True},
-    {"topic": "crash", "urgent": True},
-    {"topic": "other", "urgent": False},
-    {"topic": "billing", "urgent": False},
-    {"topic": "other", "urgent": False},
-    {"topic": "crash", "urgent": True},
-]
-
-
-def synthetic(n: int, bias: list[float], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores z, and labels drawn from softmax(z + bias): the rule is miscalibrated by `bias`."""
-    generator = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, len(bias), generator=generator, dtype=torch.float64) * 2
-    labels = torch.multinomial(torch.softmax(z + torch.tensor(bias), dim=1), 1, generator=generator)
-    return z, labels[:, 0]
+TEXTS, LABELS = LABELED_TEXTS[:6], LABELED[:6]
 
 
 def test_a_fitted_calibration_is_applied_and_survives_save_and_load(engine, tmp_path):

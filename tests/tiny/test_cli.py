@@ -12,37 +12,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
 from minicpm_pcd_adapters.by_name import load_schema
 from pcd_engine import Calibration, ModelIdentity
+from tests.helpers import LABELED_TEXTS as TEXTS
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELED = ROOT / "examples" / "tickets_labeled.jsonl"
 TICKET = "examples/ticket.py:Ticket"
 LOADING = "de-quantizing GGUF tensors"  # what loading SmolLM2 writes to stderr
-
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
-
-TEXTS = [
-    "I was charged twice for my order",
-    "The app crashes when I log in",
-    "Where is my parcel?",
-    "please refund me",
-    "How do I change my password?",
-    "charged twice, app crashes",
-    "my invoice is wrong",
-    "it freezes on start",
-    "hello there",
-    "refund the double charge",
-]
 
 
 def pcd(*args: object) -> subprocess.CompletedProcess[str]:
@@ -175,7 +155,7 @@ def test_pcd_suggest_writes_a_file_that_pcd_calibrate_reads(tiny_folder, tmp_pat
     lines = [json.dumps({"text": t}) for t in TEXTS] + ["not json"]
     source.write_text("\n".join(lines) + "\n")
     output = tmp_path / "to_label.jsonl"
-    schema = f"{__file__}:Ticket"
+    schema = f"{ROOT / 'tests' / 'helpers.py'}:Ticket"  # the labeled tests' schema
     run = [sys.executable, "-m", "minicpm_pcd_adapters.cli"]
     done = subprocess.run(
         [*run, "suggest", "--schema", schema, "--input", str(source), "--count", "6", "--output", str(output),

@@ -4,18 +4,12 @@ interrupted in the middle of model work leaves the prefix cache usable (tiny ran
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
 
 import pytest
 from pydantic import BaseModel
 
 from pcd_engine import PCDEngine
-from tests.helpers import TEXTS, Shipping, assert_same_scores
-
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
+from tests.helpers import TEXTS, Shipping, Ticket, assert_same_scores
 
 
 def test_eight_threads_on_a_cold_engine_give_the_sequential_answers(tiny_model, tiny_tokenizer):

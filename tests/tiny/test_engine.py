@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from pcd_engine import (
     InputError,
@@ -17,15 +17,7 @@ from pcd_engine import (
     SchemaLimitError,
     UnsupportedSchemaError,
 )
-
-
-class Ticket(BaseModel):
-    """A support ticket."""
-
-    topic: Literal["billing", "billing_dispute", "bug", "other"] = Field(description="What it is about.")
-    urgent: bool
-    priority: Literal[1, 2, 3]
-    channel: Literal["email"]
+from tests.helpers import SupportTicket
 
 
 @pytest.fixture
@@ -34,8 +26,8 @@ def engine(tiny_model, tiny_tokenizer):
 
 
 def test_classify_returns_a_validated_instance_and_full_probabilities(engine):
-    result = engine.classify("I was charged twice", Ticket)
-    assert isinstance(result.value, Ticket)
+    result = engine.classify("I was charged twice", SupportTicket)
+    assert isinstance(result.value, SupportTicket)
     assert set(result.fields) == {"topic", "urgent", "priority", "channel"}
     for path, field in result.fields.items():
         assert math.isclose(sum(field.probabilities.values()), 1.0, abs_tol=1e-9)
@@ -56,15 +48,15 @@ def test_classify_returns_a_validated_instance_and_full_probabilities(engine):
 def test_batch_keeps_every_input_and_checks_inputs_before_model_work(engine):
     texts = ["charged twice", 42, "x " * 5000, "crash"]
     with pytest.raises(InputError, match="text #1 must be a str"):
-        engine.classify_batch(texts, Ticket)
+        engine.classify_batch(texts, SupportTicket)
     assert engine.prefix_cache.stats.misses == 0  # nothing reached the model
     seen = []
-    results = engine.classify_batch(texts, Ticket, return_exceptions=True, progress=seen.append)
+    results = engine.classify_batch(texts, SupportTicket, return_exceptions=True, progress=seen.append)
     assert len(results) == 4 and len(seen) == 4
     assert isinstance(results[1], InputError) and isinstance(results[2], InputError)
     assert "Limits.max_prompt_tokens" in str(results[2])
-    assert isinstance(results[0].value, Ticket) and isinstance(results[3].value, Ticket)
-    single = engine.classify("charged twice", Ticket)
+    assert isinstance(results[0].value, SupportTicket) and isinstance(results[3].value, SupportTicket)
+    single = engine.classify("charged twice", SupportTicket)
     assert results[0].fields["topic"].log_scores == pytest.approx(single.fields["topic"].log_scores, abs=1e-4)
 
 

@@ -3,35 +3,11 @@ kept scores equals classifying with the calibration."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import pytest
-from pydantic import BaseModel
 
+from tests.helpers import LABELED, LABELED_TEXTS, Ticket
 
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
-
-TEXTS = [
-    "I was charged twice for my order",
-    "The app crashes when I log in",
-    "Where is my parcel?",
-    "please refund me",
-    "How do I change my password?",
-    "charged twice, app crashes",
-]
-
-
-LABELS = [
-    {"topic": "billing", "urgent": True},
-    {"topic": "crash", "urgent": True},
-    {"topic": "other", "urgent": False},
-    {"topic": "billing", "urgent": False},
-    {"topic": "other", "urgent": False},
-    {"topic": "crash", "urgent": True},
-]
+TEXTS, LABELS = LABELED_TEXTS[:6], LABELED[:6]
 
 
 def test_evaluate_counts_every_text_and_recalibrating_equals_classifying_with_the_calibration(engine):

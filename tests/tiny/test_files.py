@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
 from minicpm_pcd_adapters.files import answered_lines, classify_file, count_lines
 from pcd_engine import InputError, PCDEngine
-
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
+from tests.helpers import Ticket
 
 LINES = [
     '{"text": "I was charged twice", "id": "a1"}',

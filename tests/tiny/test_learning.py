@@ -4,40 +4,15 @@ saved, loaded and refused, per-field fallbacks, and the texts worth labeling nex
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import pytest
 import torch
-from pydantic import BaseModel
 
 from pcd_engine import DEFAULT_RULE, Calibration, CalibrationError, FieldHead, PCDEngine
 from pcd_engine.calibration import weights_path
+from tests.helpers import LABELED, LABELED_TEXTS, Ticket
 
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
-
-TEXTS = [
-    "I was charged twice for my order",
-    "The app crashes when I log in",
-    "Where is my parcel?",
-    "please refund me",
-    "How do I change my password?",
-    "charged twice, app crashes",
-    "my invoice is wrong",
-    "it freezes on start",
-    "hello there",
-    "refund the double charge",
-]
-LABELS = [
-    {"topic": t, "urgent": u}
-    for t, u in [
-        ("billing", True), ("crash", True), ("other", False), ("billing", False), ("other", False),
-        ("crash", True), ("billing", False), ("crash", True), ("other", False), ("billing", True),
-    ]
-]  # fmt: skip
+TEXTS, LABELS = LABELED_TEXTS, LABELED
 
 
 def test_a_head_in_classify_equals_its_math_on_the_kept_hidden_states(engine):

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B, load_minicpm5
 from pcd_engine import ModelIntegrityError, ModelLoadError, PCDEngine
 from pcd_engine.manifest import create_manifest, verify_manifest
+from tests.helpers import flip_a_byte
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -28,12 +29,6 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class Ticket(BaseModel):
     topic: Literal["billing", "bug", "other"]
     urgent: bool
-
-
-@pytest.fixture
-def folder(tiny_folder, tmp_path):
-    """A private copy of the saved tiny model (tests change its files)."""
-    return Path(shutil.copytree(tiny_folder, tmp_path / "model"))
 
 
 def _snapshot(cache: Path, repo_id: str, source: str | Path, commit: str = COMMIT) -> Path:
@@ -51,17 +46,11 @@ def unreachable_hub(monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
 
 
-def _flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def test_loading_with_a_manifest_checks_the_files_before_the_weights_load(folder, tiny_tokenizer):
     manifest = create_manifest(folder)
     engine = PCDEngine.from_pretrained(folder, device="cpu", manifest=manifest)
     assert engine.classify("I was charged twice", Ticket).value.topic in {"billing", "bug", "other"}
-    _flip_a_byte(folder / "model.safetensors")  # still loadable: only the manifest can tell
+    flip_a_byte(folder / "model.safetensors")  # still loadable: only the manifest can tell
     with pytest.raises(ModelIntegrityError, match=r"model\.safetensors"):
         PCDEngine.from_pretrained(folder, device="cpu", manifest=manifest)
     with pytest.raises(ModelIntegrityError, match="not a pcd-manifest/1 manifest"):
@@ -128,7 +117,7 @@ def test_the_minicpm5_default_checks_a_manifest_for_its_pinned_revision(folder, 
     manifest = create_manifest(snapshot)
     engine = load_minicpm5(device="cpu", manifest=manifest, model_kwargs={"cache_dir": cache})
     assert engine.classify("refund me", Ticket).value.topic in {"billing", "bug", "other"}
-    _flip_a_byte(snapshot / "tokenizer.json")
+    flip_a_byte(snapshot / "tokenizer.json")
     with pytest.raises(ModelIntegrityError, match=r"tokenizer\.json"):
         load_minicpm5(device="cpu", manifest=manifest, model_kwargs={"cache_dir": cache})
 
@@ -143,7 +132,7 @@ def test_pcd_manifest_create_and_verify_and_classify_refusing_a_changed_model(fo
     created = pcd("manifest", "create", str(folder), "--output", str(manifest))
     assert created.returncode == 0, created.stderr
     assert pcd("manifest", "verify", str(folder), "--manifest", str(manifest)).returncode == 0
-    _flip_a_byte(folder / "model.safetensors")
+    flip_a_byte(folder / "model.safetensors")
     refused = pcd("manifest", "verify", str(folder), "--manifest", str(manifest))
     assert refused.returncode == 2 and "model.safetensors" in refused.stderr
     texts = tmp_path / "texts.txt"

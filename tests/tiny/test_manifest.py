@@ -3,25 +3,11 @@ unlisted file refused by name."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from pcd_engine import ModelIntegrityError
 from pcd_engine.manifest import create_manifest, model_files, verify_manifest, write_manifest
-
-
-@pytest.fixture
-def folder(tiny_folder, tmp_path):
-    """A private copy of the saved tiny model (tests change its files)."""
-    return Path(shutil.copytree(tiny_folder, tmp_path / "model"))
-
-
-def _flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
+from tests.helpers import flip_a_byte
 
 
 def test_a_manifest_lists_every_model_file_and_accepts_the_folder_it_came_from(folder):
@@ -43,7 +29,7 @@ def test_a_manifest_lists_every_model_file_and_accepts_the_folder_it_came_from(f
 def test_a_changed_missing_or_unlisted_file_is_refused_by_name(folder, change):
     manifest = create_manifest(folder)
     if change == "flip a weight byte":
-        _flip_a_byte(folder / "model.safetensors")
+        flip_a_byte(folder / "model.safetensors")
         named, words = "model.safetensors", "differs"
     elif change == "delete the config":
         (folder / "config.json").unlink()

@@ -4,19 +4,11 @@ model work (the options themselves: unit/test_options.py)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import pytest
-from pydantic import BaseModel
 
 from pcd_engine import InputError, PCDEngine
 from pcd_engine.request import Request
-
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "bug", "other"]
-    urgent: bool
-
+from tests.helpers import Ticket
 
 TEXTS = ["I was charged twice", "The app crashes when I log in", "hello"]
 

@@ -4,42 +4,13 @@ code rule, and the plain wording's field lines."""
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
 from pcd_engine import PCDEngine
+from tests.helpers import LABELED, LABELED_TEXTS, Tagged, Ticket
 
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
-
-class Tagged(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    tags: list[Literal["refund", "bug"]]
-
-
-TEXTS = [
-    "I was charged twice for my order",
-    "The app crashes when I log in",
-    "Where is my parcel?",
-    "please refund me",
-    "How do I change my password?",
-    "charged twice, app crashes",
-]
-
-
-LABELS = [
-    {"topic": "billing", "urgent": True},
-    {"topic": "crash", "urgent": True},
-    {"topic": "other", "urgent": False},
-    {"topic": "billing", "urgent": False},
-    {"topic": "other", "urgent": False},
-    {"topic": "crash", "urgent": True},
-]
+TEXTS, LABELS = LABELED_TEXTS[:6], LABELED[:6]
 
 
 def test_examples_sit_in_the_cached_head_and_cost_nothing_after_the_first_call(engine):

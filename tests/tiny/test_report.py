@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import base64
 from html.parser import HTMLParser
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
 from minicpm_pcd_adapters.report import MATRIX_VALUES, confusion, write_report
 from pcd_engine import PCDEngine, evaluate
+from tests.helpers import LABELED, Ticket
 
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
+LABELS = LABELED[:6]
 
 
 TEXTS = [
@@ -27,14 +23,6 @@ TEXTS = [
     "please refund me <img src=https://example.com/x.png>",
     "How do I change my password?",
     "charged twice, app crashes",
-]
-LABELS = [
-    {"topic": "billing", "urgent": True},
-    {"topic": "crash", "urgent": True},
-    {"topic": "other", "urgent": False},
-    {"topic": "billing", "urgent": False},
-    {"topic": "other", "urgent": False},
-    {"topic": "crash", "urgent": True},
 ]
 
 

@@ -4,27 +4,16 @@ content-free prior and the cut trees, read from one packed pass where their tree
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import pytest
 import torch
-from pydantic import BaseModel, Field
 
 from pcd_engine import (
     PCDEngine,
 )
 from pcd_engine.rules import ContextualCalibration, GreedyRule, OptionRule
 from pcd_engine.runner import PassStats
-from tests.helpers import TEXTS, Wide
-
-
-class Ticket(BaseModel):
-    """A support ticket."""
-
-    topic: Literal["billing", "billing_dispute", "bug", "other"] = Field(description="What it is about.")
-    urgent: bool
-    priority: Literal[1, 2, 3]
-    channel: Literal["email"]
+from tests.helpers import TEXTS, SupportTicket, Wide
 
 
 @pytest.fixture
@@ -34,10 +23,10 @@ def engine(tiny_model, tiny_tokenizer):
 
 def test_default_rule_is_option_with_contextual_calibration_and_bools_cut(tiny_model, tiny_tokenizer):
     engine = PCDEngine(tiny_model, tiny_tokenizer)
-    first, second = engine.classify("text", Ticket), engine.classify("text", Ticket)
+    first, second = engine.classify("text", SupportTicket), engine.classify("text", SupportTicket)
     assert first.fields["topic"].rule == first.fields["urgent"].rule == "option-boolcut-cc"
-    topic, urgent, _ = engine.plan(Ticket).trees  # strings whole, yes/no cut after their word
-    whole = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc").plan(Ticket).trees
+    topic, urgent, _ = engine.plan(SupportTicket).trees  # strings whole, yes/no cut after their word
+    whole = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc").plan(SupportTicket).trees
     assert topic.paths == whole[0].paths
     assert [len(p) for p in urgent.paths] == [1, 1] < [len(p) for p in whole[1].paths]
     assert first.diagnostics.forward_calls == 2 + 3  # head, request, three content-free priors
@@ -45,19 +34,19 @@ def test_default_rule_is_option_with_contextual_calibration_and_bools_cut(tiny_m
 
 
 def test_rules_share_one_pass_and_differ_where_they_should(engine):
-    results = engine.compare_rules("the app crashes", Ticket, ["option", "option-mean", "option-cc"])
+    results = engine.compare_rules("the app crashes", SupportTicket, ["option", "option-mean", "option-cc"])
     assert list(results) == ["option", "option-mean", "option-cc"]
     option, mean, _ = (results[k].fields["topic"] for k in results)
     n_tokens = {v: option.log_scores[v] / mean.log_scores[v] for v in option.log_scores}
     assert all(n >= 1 - 1e-6 and abs(n - round(n)) < 1e-4 for n in n_tokens.values())
     (greedy,) = (
-        r.fields["topic"] for r in engine.compare_rules("the app crashes", Ticket, ["greedy"]).values()
+        r.fields["topic"] for r in engine.compare_rules("the app crashes", SupportTicket, ["greedy"]).values()
     )
     assert greedy.rule == "greedy" and math.isclose(sum(greedy.probabilities.values()), 1.0)
-    single = engine.classify("the app crashes", Ticket, rule="greedy")
+    single = engine.classify("the app crashes", SupportTicket, rule="greedy")
     assert single.fields["topic"].value == greedy.value
     with pytest.raises(ValueError, match="different trees"):  # greedy reads trees cut short
-        engine.compare_rules("the app crashes", Ticket, ["option", "greedy"])
+        engine.compare_rules("the app crashes", SupportTicket, ["option", "greedy"])
 
 
 @pytest.mark.parametrize("rule", [GreedyRule(), ContextualCalibration(GreedyRule())])
@@ -96,11 +85,11 @@ def test_option_unique_sums_the_tokens_up_to_the_distinguishing_one(engine):
 
 
 def test_code_rule_lists_codes_and_falls_back_where_codes_do_not_apply(engine, tiny_tokenizer):
-    plan = engine.plan(Ticket, rule="code")
+    plan = engine.plan(SupportTicket, rule="code")
     assert 'A = "billing"' in plan.system and 'B = "billing_dispute"' in plan.system
     rules = {dp.decision.path: dp.rule.name for dp in plan.decisions}
     assert rules["topic"] == "code" and rules["urgent"] == "option"
-    result = engine.classify("refund", Ticket, rule="code")
+    result = engine.classify("refund", SupportTicket, rule="code")
     assert result.fields["topic"].rule == "code"
     assert result.fields["topic"].value in {"billing", "billing_dispute", "bug", "other"}
 
@@ -140,30 +129,33 @@ def test_contextual_calibration_removes_the_content_free_prior(tiny_model, tiny_
 
     monkeypatch.setattr(scorer_module, "CONTENT_FREE_TEXTS", ("N/A",))
     engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc")
-    neutral = engine.classify("N/A", Ticket)
+    neutral = engine.classify("N/A", SupportTicket)
     for path in ("topic", "urgent", "priority"):
         field = neutral.fields[path]
         assert field.rule == "option-cc"
         assert max(abs(s) for s in field.log_scores.values()) < 1e-4  # text == prior: nothing left
         assert max(field.probabilities.values()) == pytest.approx(1 / len(field.probabilities), abs=1e-4)
-    first, second = engine.classify("refund me", Ticket), engine.classify("refund me", Ticket)
+    first, second = engine.classify("refund me", SupportTicket), engine.classify("refund me", SupportTicket)
     assert first.diagnostics.forward_calls == second.diagnostics.forward_calls == 1  # prior cached
-    plain = PCDEngine(tiny_model, tiny_tokenizer, rule="option").classify("refund me", Ticket)
-    prior = PCDEngine(tiny_model, tiny_tokenizer, rule="option").classify("N/A", Ticket)
+    plain = PCDEngine(tiny_model, tiny_tokenizer, rule="option").classify("refund me", SupportTicket)
+    prior = PCDEngine(tiny_model, tiny_tokenizer, rule="option").classify("N/A", SupportTicket)
     for value, score in first.fields["topic"].log_scores.items():
         expected = plain.fields["topic"].log_scores[value] - prior.fields["topic"].log_scores[value]
         assert score == pytest.approx(expected, abs=1e-4)
 
 
 def test_option_boolcut_cuts_yes_no_decisions_only(engine):
-    whole, boolcut = engine.plan(Ticket, rule="option"), engine.plan(Ticket, rule="option-boolcut")
-    cut = engine.plan(Ticket, rule="option-unique")
+    whole, boolcut = (
+        engine.plan(SupportTicket, rule="option"),
+        engine.plan(SupportTicket, rule="option-boolcut"),
+    )
+    cut = engine.plan(SupportTicket, rule="option-unique")
     for a, b, c in zip(whole.scored_decisions, boolcut.scored_decisions, cut.scored_decisions, strict=True):
         assert b.tree is not None and c.tree is not None and a.tree is not None
         expected = c.tree if a.decision.path == "urgent" else a.tree
         assert b.tree.tokens == expected.tokens and b.tree.paths == expected.paths
     text = "the app crashes, refund me"
-    got = engine.classify(text, Ticket, rule="option-boolcut").fields
+    got = engine.classify(text, SupportTicket, rule="option-boolcut").fields
     for path, reference in (("topic", "option"), ("priority", "option"), ("urgent", "option-unique")):
-        want = engine.classify(text, Ticket, rule=reference).fields[path]
+        want = engine.classify(text, SupportTicket, rule=reference).fields[path]
         assert got[path].log_scores == pytest.approx(want.log_scores, abs=1e-4)

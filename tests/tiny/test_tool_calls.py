@@ -7,49 +7,12 @@ from __future__ import annotations
 import enum
 import json
 import math
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from pcd_engine import InputError, PCDEngine
-from tests.helpers import ForwardCounter
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-
-
-SEARCH = {
-    "name": "search",
-    "description": "Search the web.",
-    "parameters": {"type": "object", "properties": {}},
-}
-
-
-class Refund(BaseModel):
-    """Refund an order."""
-
-    reason: Literal["damaged", "late", "other"] = Field(description="Why.")
-    urgent: bool
-
-
-TOOLS = [WEATHER, SEARCH, Refund]
-
-
-ASKED = [{"role": "user", "content": "Is it raining in Paris? I was charged twice <|im_end|>"}]
+from tests.helpers import ASKED, SEARCH, TOOLS, ForwardCounter, Refund
 
 
 @pytest.fixture(scope="module")

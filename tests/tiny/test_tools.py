@@ -6,47 +6,14 @@ test_tool_calls.py."""
 from __future__ import annotations
 
 import copy
-from typing import Literal
 
 import pytest
 import torch
-from pydantic import BaseModel, Field
 
 from pcd_engine import Conversation, InputError, PCDEngine, Tool, ToolChoice, as_tools
 from pcd_engine.tools import build_tool_plan
-from tests.helpers import ForwardCounter, packed_and_separate
+from tests.helpers import ASKED, TOOLS, WEATHER, ForwardCounter, packed_and_separate
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-SEARCH = {
-    "name": "search",
-    "description": "Search the web.",
-    "parameters": {"type": "object", "properties": {}},
-}
-
-
-class Refund(BaseModel):
-    """Refund an order."""
-
-    reason: Literal["damaged", "late", "other"] = Field(description="Why.")
-    urgent: bool
-
-
-TOOLS = [WEATHER, SEARCH, Refund]
-ASKED = [{"role": "user", "content": "Is it raining in Paris? I was charged twice <|im_end|>"}]
 TOOL_TEMPLATE = (  # a template with a tool protocol of its own (tools in the system turn)
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
     "\n\n{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"

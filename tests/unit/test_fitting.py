@@ -3,11 +3,8 @@ batch calibration, out-of-fold figures, labels read per decision."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import pytest
 import torch
-from pydantic import BaseModel
 
 from pcd_engine import CalibrationError
 from pcd_engine.fitting import (
@@ -18,21 +15,9 @@ from pcd_engine.fitting import (
     out_of_fold,
 )
 from pcd_engine.schema import compile_schema
+from tests.helpers import Tagged, synthetic
 
 VALUES = ("a", "b", "c")
-
-
-class Tagged(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    tags: list[Literal["refund", "bug"]]
-
-
-def synthetic(n: int, bias: list[float], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores z, and labels drawn from softmax(z + bias): the rule is miscalibrated by `bias`."""
-    generator = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, len(bias), generator=generator, dtype=torch.float64) * 2
-    labels = torch.multinomial(torch.softmax(z + torch.tensor(bias), dim=1), 1, generator=generator)
-    return z, labels[:, 0]
 
 
 def test_a_known_bias_is_recovered():

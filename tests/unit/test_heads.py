@@ -3,11 +3,8 @@ optimisers.py): the `auto` guard, the method choice and the head's math on synth
 
 from __future__ import annotations
 
-from typing import Literal
-
 import pytest
 import torch
-from pydantic import BaseModel
 
 from pcd_engine import FieldHead, metrics
 from pcd_engine.calibration import FieldCalibration
@@ -23,32 +20,6 @@ from pcd_engine.fitting import (
 )
 from pcd_engine.heads import fit_head, out_of_fold_logits
 from pcd_engine.optimisers import fit_temperature
-
-
-class Ticket(BaseModel):
-    topic: Literal["billing", "crash", "other"]
-    urgent: bool
-
-
-TEXTS = [
-    "I was charged twice for my order",
-    "The app crashes when I log in",
-    "Where is my parcel?",
-    "please refund me",
-    "How do I change my password?",
-    "charged twice, app crashes",
-    "my invoice is wrong",
-    "it freezes on start",
-    "hello there",
-    "refund the double charge",
-]
-LABELS = [
-    {"topic": t, "urgent": u}
-    for t, u in [
-        ("billing", True), ("crash", True), ("other", False), ("billing", False), ("other", False),
-        ("crash", True), ("billing", False), ("crash", True), ("other", False), ("billing", True),
-    ]
-]  # fmt: skip
 
 
 def skewed_case() -> FieldData:

@@ -6,14 +6,7 @@ import pytest
 import torch
 
 from pcd_engine import metrics
-
-
-def synthetic(n: int, bias: list[float], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores z, and labels drawn from softmax(z + bias): the rule is miscalibrated by `bias`."""
-    generator = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, len(bias), generator=generator, dtype=torch.float64) * 2
-    labels = torch.multinomial(torch.softmax(z + torch.tensor(bias), dim=1), 1, generator=generator)
-    return z, labels[:, 0]
+from tests.helpers import synthetic
 
 
 def test_ece_of_a_calibrated_predictor_is_near_zero_and_of_an_overconfident_one_is_not():
