@@ -41,7 +41,7 @@ from pcd_engine.output_types import output_type
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt, TextInput, input_layout
-from pcd_engine.request import Request, in_order
+from pcd_engine.request import Request, in_order, rendered
 from pcd_engine.results import PCDResult
 from pcd_engine.rules import Rule, get_rule, tree_shape
 from pcd_engine.runner import BranchRunner
@@ -291,7 +291,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         batch, threshold = options.batch_calibration, options.abstain_below
         self.pipeline.calibrate(plan, items, options.calibration, batch=batch, abstain_below=threshold)
         # 5. the answer: the scored values alone, or with the open fields generated after them
-        requests = [item for item in items if isinstance(item, Request)]
+        requests = rendered(items)
         if plan.json_schema is None:
             for item in items:
                 if isinstance(item, Request):

@@ -22,7 +22,7 @@ from pcd_engine.options import PlanOptions
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import Conversation
-from pcd_engine.request import Request
+from pcd_engine.request import rendered
 from pcd_engine.results import FieldResult
 from pcd_engine.suggestions import LabelSuggestions, Suggestion, pick_uncertain
 
@@ -92,7 +92,7 @@ class LearningMixin:
         items = self.pipeline.render(plan, texts, return_exceptions=True)
         if progress is not None:  # inputs refused before any model work
             progress(sum(isinstance(item, PCDError) for item in items))
-        requests = [item for item in items if isinstance(item, Request)]
+        requests = rendered(items)
         for start in range(0, len(requests), chunk):
             part = requests[start : start + chunk]
             self.pipeline.score(plan, part, keep)

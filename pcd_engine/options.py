@@ -46,6 +46,14 @@ class ClassifyOptions(PlanOptions, total=False):
     logprobs: int | None  # record generated tokens' log-probabilities, with this many alternatives
 
 
+def refuse_unknown(options: Mapping[str, Any], declared: Any, what: str) -> None:
+    """TypeError for a keyword that the TypedDict `declared` does not name, as Python raises for an
+    unknown keyword argument, listing the `what` it does name."""
+    if unknown := sorted(set(options) - declared.__optional_keys__):
+        names = ", ".join(sorted(declared.__optional_keys__))
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the {what} are {names}")
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """A call's options, checked, with the engine's defaults filled in."""
@@ -63,10 +71,7 @@ class RequestOptions:
         cls, options: Mapping[str, Any], abstain_below: float | None, batch_calibration: bool = False
     ) -> RequestOptions:
         """The checked options of a call (`abstain_below`: the engine's default threshold)."""
-        known = ClassifyOptions.__optional_keys__
-        if unknown := sorted(set(options) - known):
-            names = ", ".join(sorted(known))
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the options are {names}")
+        refuse_unknown(options, ClassifyOptions, "options")
         planned = cast(PlanOptions, {k: v for k, v in options.items() if k in PlanOptions.__optional_keys__})
         own = {k: v for k, v in options.items() if k not in PlanOptions.__optional_keys__}
         if own.get("abstain_below") is None:

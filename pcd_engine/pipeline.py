@@ -31,11 +31,11 @@ from pcd_engine.calibration import model_identity as identity_of
 from pcd_engine.decisions import decide
 from pcd_engine.errors import PCDError
 from pcd_engine.hidden import HiddenCapture
-from pcd_engine.options import PlanOptions
+from pcd_engine.options import PlanOptions, refuse_unknown
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
-from pcd_engine.request import Request, elapsed_ms, example_turns
+from pcd_engine.request import Request, elapsed_ms, example_turns, rendered
 from pcd_engine.rules import Rule, get_rule
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
@@ -85,9 +85,7 @@ class Pipeline:
         """The cached SchemaPlan for a schema (compiled on first use; schema errors raise here).
         `examples` default to the model's `pcd_examples`; `layout` "raw" or "raw-value" plans for
         `RawPrompt` inputs; `shortlisted=False` scores every field on its whole tree."""
-        if unknown := sorted(set(options) - PlanOptions.__optional_keys__):
-            known = ", ".join(sorted(PlanOptions.__optional_keys__))
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the plan options are {known}")
+        refuse_unknown(options, PlanOptions, "plan options")
         model = output_type(schema).model
         compiled = compile_schema(model, self.limits, allow_open=True)
         allowed = options.get("allow_generation")
@@ -126,7 +124,7 @@ class Pipeline:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the
         rule corrects them), several requests per forward call; with `keep_hidden`, the hidden
         states a head reads, from the same calls. Errors in `requests` are skipped."""
-        live = [r for r in requests if isinstance(r, Request)]
+        live = rendered(requests)
         if not live:
             return
         began = time.perf_counter()
@@ -151,9 +149,8 @@ class Pipeline:
     def rescore(self, plan: SchemaPlan, requests: Sequence[Request | PCDError]) -> None:
         """Phase 3: the close calls of every request scored again in FP32 (with a reference model)."""
         if self.rescorer is not None:
-            for request in requests:
-                if isinstance(request, Request):
-                    self.rescorer.rescore(plan, request)
+            for request in rendered(requests):
+                self.rescorer.rescore(plan, request)
 
     def calibrate(
         self,
@@ -166,7 +163,7 @@ class Pipeline:
     ) -> None:
         """Phase 4: every request's fields through `calibration` (or, with `batch`, maps fitted on
         these requests' own scores), then marked abstained below `abstain_below`."""
-        live = [r for r in requests if isinstance(r, Request)]
+        live = rendered(requests)
         maps = calibration.fields if calibration is not None else {}
         if batch and live:
             maps = fitting.batch_maps(plan, [r.fields for r in live])

@@ -137,6 +137,11 @@ class Request:
         return PCDResult(to_output(self.value), self.fields, diagnostics, self.token_logprobs)
 
 
+def rendered(items: Sequence[Request | PCDError]) -> list[Request]:
+    """The requests among a batch's items: the inputs that rendered, without the errors."""
+    return [item for item in items if isinstance(item, Request)]
+
+
 def in_order(
     items: Sequence[Request | PCDError],
     to_output: Callable[[BaseModel], Any],

@@ -5,12 +5,13 @@
     GET  /v1/models, /v1/models/{id}, /v1/calibrations, /health, /metrics (Prometheus)
     GET  /openapi.json (the request and response bodies, `server/openapi.py`)
 
-What a request asks is read by `server/protocol.py`; concurrent classify requests with the same
-schema and options are batched into one `classify_batch` by `server/batching.py` on the model worker
-thread, so the event loop keeps answering while the model works. `Guard` (an ASGI middleware) checks
-the API key (every path but /health, compared in constant time) and the body size before any route
-runs. Schemas are JSON only: nothing in a request is imported or executed, and user text reaches the
-engine as data (its control-token rule holds here as everywhere).
+What a request asks is read by `server/calls.py` (its body's model: `server/protocol.py`);
+concurrent classify requests with the same schema and options are batched into one `classify_batch`
+by `server/batching.py` on the model worker thread, so the event loop keeps answering while the
+model works. `Guard` (an ASGI middleware) checks the API key (every path but /health, compared in
+constant time) and the body size before any route runs. Schemas are JSON only: nothing in a request
+is imported or executed, and user text reaches the engine as data (its control-token rule holds here
+as everywhere).
 
     >>> app = create_app(load_smollm2(), ServerSettings(model_name="smollm2"))  # doctest: +SKIP
     >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
