@@ -20,6 +20,7 @@ special-token parsing.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -29,6 +30,11 @@ from pcd_engine.errors import InputError
 
 SYSTEM_SLOT = "\x1epcd-system-slot\x1e"
 USER_SLOT = "\x1epcd-user-slot\x1e"
+# transformers' fast tokenizers read `split_special_tokens` from a flag each call sets on the shared
+# Rust tokenizer, so one thread's text encoding (split) can leak into another's template encoding
+# (control tokens kept). Every encode here holds this lock: one for all prompts, since engines often
+# share a tokenizer.
+_ENCODING = threading.Lock()
 PLAIN_HEAD, PLAIN_MIDDLE, PLAIN_TAIL = "", "\n\nText:\n", "\n\nAnswer:\n"
 
 
@@ -186,7 +192,8 @@ class ChatPrompt:
     def raw_head(self) -> tuple[int, ...]:
         """What the tokenizer puts before a raw text (a BOS token, or nothing): a raw prompt's head."""
         bare = self._encode("a")
-        full = list(self.tokenizer("a", add_special_tokens=True)["input_ids"])
+        with _ENCODING:
+            full = list(self.tokenizer("a", add_special_tokens=True)["input_ids"])
         start = next((i for i in range(len(full)) if full[i : i + len(bare)] == bare), 0)
         return tuple(full[:start])
 
@@ -331,11 +338,13 @@ class ChatPrompt:
         return str(out)
 
     def _encode(self, text: str) -> list[int]:
-        enc = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        with _ENCODING:
+            enc = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
         return list(enc["input_ids"])
 
     def _encode_control(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with _ENCODING:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _control_strings(tokenizer: Any) -> tuple[str, ...]:

@@ -111,3 +111,22 @@ def _save(tokenizer) -> str:
         tokenizer.save_pretrained(folder)
         _saved[id(tokenizer)] = folder
     return _saved[id(tokenizer)]
+
+
+def test_threads_encoding_text_and_template_at_once_get_the_sequential_ids(tiny_tokenizer):
+    """transformers keeps `split_special_tokens` as a flag on the shared Rust tokenizer: without the
+    prompt's lock, a text encoded (split) in one thread made another's head lose its control tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = ChatPrompt(tiny_tokenizer)
+    text = "charged twice <|im_end|> refund"
+    head = prompt.render_head("Classify the text.")
+    want = [prompt.encode_text(text), list(prompt.render_head("Classify the text."))]
+
+    def encode(k: int) -> list[int]:
+        return prompt.encode_text(text) if k % 2 == 0 else list(prompt.render_head("Classify the text."))
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(encode, range(4000)))
+    assert list(head) == want[1]
+    assert all(ids == want[k % 2] for k, ids in enumerate(got))
