@@ -83,6 +83,11 @@ class PrefixCache:
             self._entries.clear()
             self._bytes = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the stored prefixes."""
+        return self._bytes
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -1,11 +1,10 @@
-"""Plain chat generation: messages as (role, content) pairs, checked options, stop ids, answers.
+"""Plain chat generation: a conversation in, checked options, stop ids, answers.
 
 `chat_call` checks everything a `generate` / `stream` call was given and renders its prompt, so that a
 bad call fails with InputError before any model work; the `ChatCall` then runs on the generator,
 whole (`Generation`) or streamed (`GenerationChunk`s, stop strings held back until they cannot start).
-
-    >>> message_pairs([{"role": "user", "content": "Hi"}, ("assistant", "Hello")])
-    [('user', 'Hi'), ('assistant', 'Hello')]
+The messages become a `Conversation` (conversation.py) and are rendered as every door renders them
+(`ChatPrompt.render_conversation`).
 """
 
 from __future__ import annotations
@@ -15,15 +14,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pcd_engine.conversation import Conversation
 from pcd_engine.errors import InputError
 from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling, StopStrings, check_logprobs
 from pcd_engine.grammars import Grammar
 from pcd_engine.prompt import ChatPrompt, RawPrompt
 from pcd_engine.results import Generation, GenerationChunk, TokenLogprob
 from pcd_engine.schema import Limits
+from pcd_engine.tools import as_tools
 
 Message = Mapping[str, Any] | tuple[str, str]
-Messages = Sequence[Message] | RawPrompt
+Messages = Sequence[Message] | Conversation | RawPrompt
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,11 @@ def chat_call(
     options: Mapping[str, Any],
     grammar: Any = None,
     logprobs: int | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> ChatCall:
     """The checked inputs of one chat call (`messages`, or a `RawPrompt` continued as written);
-    `options` override fields of `sampling`; `grammar` is compiled."""
+    `options` override fields of `sampling`; `grammar` is compiled; `tools` (OpenAI entries) are
+    rendered by a template with a tool protocol."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
     check_logprobs(logprobs)
@@ -135,9 +138,16 @@ def chat_call(
         if not ids:
             raise InputError("the raw prompt is empty: there is nothing to continue")
     else:
-        pairs = message_pairs(messages)
+        if isinstance(messages, str):  # a user message or a raw prompt? say which
+            raise InputError(
+                "messages must be a non-empty list of {'role': ..., 'content': ...} items, a "
+                "Conversation, or a RawPrompt for text continued as written"
+            )
+        conversation = Conversation.of(messages)
         try:
-            ids = prompt.render_messages(pairs)
+            ids = prompt.render_conversation(conversation.system, conversation, tools)
+        except InputError:
+            raise
         except Exception as error:  # jinja2 TemplateError: roles the template rejects, bad order
             raise InputError(f"the chat template rejected the messages: {error}") from error
     if len(ids) > limits.max_prompt_tokens:
@@ -146,24 +156,6 @@ def chat_call(
             "(Limits.max_prompt_tokens)"
         )
     return ChatCall(ids, max_tokens, chosen, StopStrings(stops), grammar, logprobs)
-
-
-def message_pairs(messages: Any) -> list[tuple[str, str]]:
-    """(role, content) pairs from dicts or pairs; InputError naming the first bad message."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} items")
-    out = []
-    for index, message in enumerate(messages):
-        if isinstance(message, Mapping):
-            role, content = message.get("role"), message.get("content")
-        elif isinstance(message, tuple) and len(message) == 2:
-            role, content = message
-        else:
-            raise InputError(f"message #{index} must be a dict with 'role' and 'content' or a pair")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InputError(f"message #{index}: role and content must be strings")
-        out.append((role, content))
-    return out
 
 
 def stop_ids(model: Any, tokenizer: Any, prompt: ChatPrompt) -> list[int]:
@@ -197,9 +189,12 @@ class ChatMixin:
         json_object: bool = False,
         grammar: Grammar | None = None,
         logprobs: int | None = None,
+        tools: Sequence[Any] = (),
         **sampling_options: Any,
     ) -> Generation:
-        """Plain chat generation: messages (role/content dicts or pairs) in, the assistant's text out.
+        """Plain chat generation: a conversation (a `Conversation`, or messages as `Conversation.of`
+        reads them: role/content dicts, earlier tool calls and results included, or pairs) in, the
+        assistant's text out.
 
         `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
         is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
@@ -208,10 +203,13 @@ class ChatMixin:
         (`Grammar`); either can still end at `max_tokens` before the text is complete. `messages`
         may be a `RawPrompt`: its text is continued as written, with no chat template.
         `logprobs=k` records each token's log-probability and its `k` (0 to 20) most probable
-        alternatives in `Generation.logprobs` (see `TokenLogprob`).
+        alternatives in `Generation.logprobs` (see `TokenLogprob`). `tools` (as `engine.tools.call`
+        takes them) are shown to a template with a tool protocol; no call is decided here.
         """
         options = sampling_options
-        call = self._chat_call(messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs)
+        call = self._chat_call(
+            messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs, tools
+        )
         return call.generate(self.generator)
 
     def stream(
@@ -224,13 +222,16 @@ class ChatMixin:
         json_object: bool = False,
         grammar: Grammar | None = None,
         logprobs: int | None = None,
+        tools: Sequence[Any] = (),
         **sampling_options: Any,
     ) -> collections.abc.Generator[GenerationChunk, None, None]:
         """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
         reason and the token counts (and with `logprobs=`, its chunks the tokens' log-probabilities).
         Closing the iterator early stops generation."""
         options = sampling_options
-        call = self._chat_call(messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs)
+        call = self._chat_call(
+            messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs, tools
+        )
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
 
     def check_grammar(self, grammar: Grammar) -> None:
@@ -247,6 +248,7 @@ class ChatMixin:
         json_object: bool,
         grammar: Grammar | None,
         logprobs: int | None,
+        tools: Sequence[Any] = (),
     ) -> ChatCall:
         if json_object and grammar is not None:
             raise InputError("pass either json_object=True or a grammar, not both")
@@ -256,4 +258,7 @@ class ChatMixin:
         compiled = self.generator.compile(wanted) if wanted is not None else None  # before model work
         chosen = sampling or self.sampling
         limits = self.limits
-        return chat_call(self.prompt, limits, messages, max_tokens, stop, chosen, options, compiled, logprobs)
+        listed = [t.openai() for t in as_tools(tools)] if tools else ()
+        return chat_call(
+            self.prompt, limits, messages, max_tokens, stop, chosen, options, compiled, logprobs, listed
+        )

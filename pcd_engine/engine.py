@@ -31,13 +31,14 @@ from pcd_engine import comparison, precision
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import ModelIdentity
 from pcd_engine.chat import ChatMixin, stop_ids
+from pcd_engine.conversation import system_texts
 from pcd_engine.errors import CalibrationError, PCDError, PrecisionCheckError
 from pcd_engine.filling import JsonFiller
 from pcd_engine.generate import Generator, Sampling
 from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
 from pcd_engine.options import ClassifyOptions, PlanOptions, RequestOptions
-from pcd_engine.output_types import output_type
+from pcd_engine.output_types import DICT_MODELS, output_type
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt, TextInput, input_layout
@@ -239,6 +240,29 @@ class PCDEngine(LearningMixin, ChatMixin):
         checked = RequestOptions.of(options, self.abstain_below, batch_calibration=calibrate == "batch")
         return self._run(list(texts), schema, checked, return_exceptions, single=False, progress=progress)
 
+    def cache_sizes(self) -> dict[str, tuple[int, int]]:
+        """(size, bound) of every cache keyed by what callers send: plans, tool plans, content-free
+        priors and models built from JSON-schema dicts (entries), the prefix cache and xgrammar's
+        compiled grammars (bytes). What `pcd serve` publishes on /metrics."""
+        sizes = {
+            "plans": (self.pipeline.plans.plans.size, self.pipeline.plans.plans.max_entries),
+            "tool_plans": (self.tools.plans.size, self.tools.plans.max_entries),
+            "priors": (self.scorer.priors_cache.size, self.scorer.priors_cache.max_entries),
+            "json_schema_models": (DICT_MODELS.size, DICT_MODELS.max_entries),
+            "grammar_bytes": (self.generator.grammar_cache_size, self.generator.grammar_cache_bytes),
+        }
+        if self.prefix_cache is not None:
+            sizes["prefix_bytes"] = (self.prefix_cache.nbytes, self.prefix_cache.max_bytes)
+        return sizes
+
+    def clear_caches(self) -> None:
+        """Empty every cache `cache_sizes` lists (plans are built again on their next use)."""
+        for cache in (self.pipeline.plans.plans, self.tools.plans, self.scorer.priors_cache, DICT_MODELS):
+            cache.clear()
+        self.generator.clear_grammars()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     @cached_property
     def tools(self) -> ToolCaller:
         """Tool calls scored like any closed field: `engine.tools.call(messages, tools)` (tools.py)."""
@@ -266,6 +290,34 @@ class PCDEngine(LearningMixin, ChatMixin):
         return comparison.compare_rules(self.pipeline, plan, text, chosen)
 
     def _run(
+        self,
+        texts: Sequence[Any],
+        schema: Any,
+        options: RequestOptions,
+        return_exceptions: bool,
+        single: bool,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[PCDResult[Any] | PCDError]:
+        """The phases over the inputs, one plan per system text: a conversation's own system text
+        goes before the call's instructions, so inputs with different ones are planned apart and
+        answered in their order."""
+        systems = system_texts(texts)
+        if len(set(systems)) == 1:
+            return self._run_plan(
+                texts, schema, options.with_system(systems[0]), return_exceptions, single, progress
+            )
+        out: list[PCDResult[Any] | PCDError] = [None] * len(texts)  # type: ignore[list-item]
+        for system in dict.fromkeys(systems):
+            picked = [i for i, s in enumerate(systems) if s == system]
+            group = [texts[i] for i in picked]
+            answered = self._run_plan(
+                group, schema, options.with_system(system), return_exceptions, single, progress
+            )
+            for i, result in zip(picked, answered, strict=True):
+                out[i] = result
+        return out
+
+    def _run_plan(
         self,
         texts: Sequence[Any],
         schema: Any,

@@ -181,6 +181,16 @@ def decision_labels(compiled: CompiledSchema, label: Any, index: int) -> dict[st
 _MISSING = object()
 
 
+def check_fit(method: str, labeled: bool, folds: int) -> None:
+    """CalibrationError for a method or fold count `fit` cannot use (run before any text is scored)."""
+    if method not in (*METHODS, "auto"):
+        raise CalibrationError(f"unknown method {method!r}; choose one of {[*METHODS, 'auto']}")
+    if not labeled and method not in ("batch", "auto", "none"):
+        raise CalibrationError(f"method {method!r} needs labels; without labels use 'batch'")
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+        raise CalibrationError(f"folds must be an int of at least 2, got {folds!r}")
+
+
 def fit(
     plan: SchemaPlan,
     model: ModelIdentity,
@@ -196,10 +206,7 @@ def fit(
     no answer), when given their labels, and for "head" (or "auto" with heads) their hidden states.
     With labels, the report's figures are out-of-fold. `progress(path)` is called as each field's
     fitting starts."""
-    if method not in (*METHODS, "auto"):
-        raise CalibrationError(f"unknown method {method!r}; choose one of {[*METHODS, 'auto']}")
-    if labels is None and method not in ("batch", "auto", "none"):
-        raise CalibrationError(f"method {method!r} needs labels; without labels use 'batch'")
+    check_fit(method, labels is not None, folds)
     if method == "head" and hidden is None:
         raise CalibrationError("method 'head' needs the texts' hidden states (engine.calibrate keeps them)")
     data = collect(plan, per_text, labels, hidden)

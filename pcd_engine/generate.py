@@ -182,7 +182,14 @@ class _Cancelled(StoppingCriteria):
 class Generator:
     """Runs `model.generate` for rows of prompt ids, with optional grammar matchers per row."""
 
-    def __init__(self, model: Any, tokenizer: Any, stop_ids: Sequence[int], cache_kw: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        stop_ids: Sequence[int],
+        cache_kw: str,
+        grammar_cache_bytes: int = 256 * 2**20,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = list(dict.fromkeys(int(i) for i in stop_ids))
@@ -192,6 +199,7 @@ class Generator:
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._cache_kw = cache_kw
+        self.grammar_cache_bytes = grammar_cache_bytes  # xgrammar's compiled grammars, by schema
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -214,8 +222,19 @@ class Generator:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=self.grammar_cache_bytes)
         return self._compiler
+
+    @property
+    def grammar_cache_size(self) -> int:
+        """Bytes held by xgrammar's cache of compiled grammars (0 before the first grammar)."""
+        return int(self._compiler.get_cache_size_bytes()) if self._compiler is not None else 0
+
+    def clear_grammars(self) -> None:
+        """Empty xgrammar's cache of compiled grammars."""
+        with self._lock:
+            if self._compiler is not None:
+                self._compiler.clear_cache()
 
     @staticmethod
     def matcher(grammar: Any) -> Any:

@@ -15,16 +15,16 @@ from typing_extensions import Unpack
 
 from pcd_engine import fitting
 from pcd_engine.calibration import Calibration
+from pcd_engine.conversation import Conversation, joined, system_texts
 from pcd_engine.decisions import scored_values
-from pcd_engine.errors import CalibrationError, PCDError
+from pcd_engine.errors import CalibrationError, InputError, PCDError
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.options import PlanOptions
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
-from pcd_engine.prompt import Conversation
 from pcd_engine.request import rendered
 from pcd_engine.results import FieldResult
-from pcd_engine.suggestions import LabelSuggestions, Suggestion, pick_uncertain
+from pcd_engine.suggestions import LabelSuggestions, Suggestion, check_suggest, pick_uncertain
 
 
 class LearningMixin:
@@ -56,6 +56,8 @@ class LearningMixin:
         the slow part). The plan options (`instructions`, `rule`, `examples`) must be those the
         calibration will be used with.
         """
+        fitting.check_fit(method, labels is not None, folds)  # before any text is scored
+        texts, options = with_system(texts, options)
         plan = self.pipeline.plan(schema, **options)
         if labels is not None:
             labels = list(labels)
@@ -105,7 +107,7 @@ class LearningMixin:
     def suggest_labels(
         self,
         schema: Any,
-        texts: Sequence[str],
+        texts: Sequence[str | Conversation],
         count: int = 50,
         *,
         by: str = "margin",
@@ -121,8 +123,9 @@ class LearningMixin:
             >>> picked = engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
             >>> picked[0].text, picked[0].label  # doctest: +SKIP
         """
+        check_suggest(count, by)  # before any text is scored
+        texts, options = with_system(texts, options)
         plan = self.pipeline.plan(schema, **options)
-        texts = list(texts)
         scored = self.score_fields(plan, texts, calibration=calibration, progress=progress)
         per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
         picked = []
@@ -133,3 +136,17 @@ class LearningMixin:
             picked.append(Suggestion(texts[u.index], label, u.index, u.field, u.uncertainty))
         errors = {i: s for i, s in enumerate(scored) if isinstance(s, PCDError)}
         return LabelSuggestions(picked, errors)
+
+
+def with_system(texts: Sequence[Any], options: PlanOptions) -> tuple[list[Any], PlanOptions]:
+    """The texts as a list, and the plan options with the conversations' shared system text before
+    the instructions (a calibration belongs to one prompt head). InputError for conversations with
+    different system texts."""
+    texts = list(texts)
+    systems = set(system_texts(texts))
+    if len(systems) > 1:
+        raise InputError("the conversations have different system texts: calibrate (or suggest) each apart")
+    (system,) = systems or {None}
+    if system is None:
+        return texts, options
+    return texts, {**options, "instructions": joined(system, options.get("instructions"))}

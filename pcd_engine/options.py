@@ -16,10 +16,11 @@ record the pipeline reads, the engine's defaults filled in.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
 from pcd_engine.calibration import Calibration
+from pcd_engine.conversation import joined
 from pcd_engine.errors import CalibrationError
 from pcd_engine.generate import Sampling, check_logprobs
 from pcd_engine.rules import Rule
@@ -77,6 +78,14 @@ class RequestOptions:
         if own.get("abstain_below") is None:
             own["abstain_below"] = abstain_below
         return cls(plan=planned, batch_calibration=batch_calibration, **own)
+
+    def with_system(self, system: str | None) -> RequestOptions:
+        """These options for inputs whose conversation has `system` text: it goes before the
+        instructions (conversation.joined)."""
+        if system is None:
+            return self
+        instructions = joined(system, self.plan.get("instructions"))
+        return replace(self, plan=cast(PlanOptions, {**self.plan, "instructions": instructions}))
 
     def __post_init__(self) -> None:
         check_logprobs(self.logprobs)

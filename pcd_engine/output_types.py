@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import threading
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from typing_extensions import is_typeddict
 
+from pcd_engine.bounded_cache import BoundedCache
 from pcd_engine.errors import UnsupportedSchemaError
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 
@@ -47,8 +47,8 @@ class OutputType:
 
 
 PYDANTIC_METADATA = (FieldInfo, annotated_types.BaseMetadata, annotated_types.GroupedMetadata)
-_DICT_MODELS: dict[str, OutputType] = {}
-_DICT_LOCK = threading.Lock()
+# Models built from JSON-schema dicts, by the dict's JSON: the most recently used are kept.
+DICT_MODELS: BoundedCache[str, OutputType] = BoundedCache(512)
 
 
 def output_type(schema: Any) -> OutputType:
@@ -59,12 +59,9 @@ def output_type(schema: Any) -> OutputType:
         return _typed_dict_type(schema)
     if isinstance(schema, Mapping):
         key = json.dumps(schema, sort_keys=True, default=str)
-        with _DICT_LOCK:
-            found = _DICT_MODELS.get(key)
-            if found is None:
-                found = OutputType(_json_schema_model(schema), returns_dict=True)
-                _DICT_MODELS[key] = found
-        return found
+        return DICT_MODELS.get_or_build(
+            key, lambda: OutputType(_json_schema_model(schema), returns_dict=True)
+        )
     raise UnsupportedSchemaError(
         "<root>",
         schema,

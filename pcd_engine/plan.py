@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from pcd_engine import packing, shortlist
+from pcd_engine.bounded_cache import BoundedCache
 from pcd_engine.branches import TokenTree, build_tree, cut_tree, rows_in
 from pcd_engine.errors import InputError, SchemaLimitError, TokenizationError, UnsupportedSchemaError
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
@@ -114,8 +114,9 @@ class SchemaPlan:
 
 
 class PlanCache:
-    """Plans built once per (schema, rule, instructions, examples), safe under threads. `check` runs on
-    every new plan with open fields (their grammar must compile) before it is kept."""
+    """Plans built once per (schema, rule, instructions, examples), safe under threads, the
+    `max_plans` most recently used kept (`plans`, a BoundedCache: instructions come from clients).
+    `check` runs on every new plan with open fields (their grammar must compile) before it is kept."""
 
     def __init__(
         self,
@@ -124,6 +125,7 @@ class PlanCache:
         check: Callable[[SchemaPlan], None] | None = None,
         wording: str = "json",
         shortlist: shortlist.ShortlistPolicy | None = None,
+        max_plans: int = 256,
     ) -> None:
         if wording not in WORDINGS:
             raise ValueError(f"unknown branch wording {wording!r}; choose one of {WORDINGS}")
@@ -132,8 +134,7 @@ class PlanCache:
         self.wording = wording
         self.check = check
         self.shortlist = shortlist
-        self._plans: dict[tuple[Any, ...], SchemaPlan] = {}
-        self._lock = threading.Lock()
+        self.plans: BoundedCache[tuple[Any, ...], SchemaPlan] = BoundedCache(max_plans)
 
     def get(
         self,
@@ -146,8 +147,7 @@ class PlanCache:
     ) -> SchemaPlan:
         """The plan; `shortlisted=False`: every decision's whole tree, whatever the policy."""
         key = (compiled.schema, rule, instructions, examples, layout, shortlisted)
-        with self._lock:
-            plan = self._plans.get(key)
+        plan = self.plans.get(key)
         if plan is None:
             limits, wording = self.limits, self.wording
             policy = self.shortlist if shortlisted else None
@@ -156,8 +156,7 @@ class PlanCache:
             )
             if plan.json_schema is not None and self.check is not None:
                 self.check(plan)
-            with self._lock:
-                plan = self._plans.setdefault(key, plan)
+            plan = self.plans.put(key, plan)
         return plan
 
 

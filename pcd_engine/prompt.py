@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
+from pcd_engine.conversation import Conversation
 from pcd_engine.errors import InputError
 
 SYSTEM_SLOT = "\x1epcd-system-slot\x1e"
@@ -81,34 +82,6 @@ class PromptIds:
 
     def __len__(self) -> int:
         return len(self.head) + len(self.text) + len(self.tail)
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A multi-turn input to classify: (role, content) pairs, every content data. Where the template
-    allows it the turns are rendered as turns after the schema's head (a tool result in the template's
-    `tool` role, say); elsewhere they are one text of "Role: content" paragraphs.
-
-        >>> Conversation((("user", "Weather in Paris?"),)).text
-        'Weather in Paris?'
-    """
-
-    messages: tuple[tuple[str, str], ...]
-
-    def __post_init__(self) -> None:
-        if not self.messages or not all(
-            isinstance(m, tuple) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in self.messages
-        ):
-            raise InputError("a Conversation is a non-empty tuple of (role, content) string pairs")
-        if any(role == "system" for role, _ in self.messages):
-            raise InputError("a Conversation holds no system message: pass it as the instructions")
-
-    @property
-    def text(self) -> str:
-        """One user message as it is; a longer conversation as "Role: content" paragraphs."""
-        if len(self.messages) == 1 and self.messages[0][0] == "user":
-            return self.messages[0][1]
-        return "\n\n".join(f"{role.title()}: {content}" for role, content in self.messages)
 
 
 LAYOUTS = ("chat", "raw", "raw-value")
@@ -211,26 +184,77 @@ class ChatPrompt:
         until_last: bool = False,
         tools: Sequence[Mapping[str, Any]] = (),
     ) -> list[int]:
-        """A whole conversation (role, content) followed by the assistant start, contents as data;
-        `until_last`: only up to where the last message's content starts. `tools` (OpenAI function
-        dicts) are rendered by the template where it has a tool protocol (`supports_tools`)."""
+        """(role, content) turns followed by the assistant start, contents as data; `until_last`: only
+        up to where the last message's content starts. `tools` (OpenAI function dicts) are rendered
+        by the template where it has a tool protocol (`supports_tools`)."""
         if not getattr(self.tokenizer, "chat_template", None):
             turns = "".join(f"{role.title()}: {text}\n\n" for role, text in messages)
             return self.encode_text(turns + "Assistant:")
+        return self._render([{"role": r, "content": c} for r, c in messages], until_last, tools)
+
+    def render_conversation(
+        self, system: str | None, conversation: Conversation, tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
+        """The one rendering of a conversation, followed by the assistant start. On a template with a
+        tool protocol, earlier calls and their results go in the template's own fields (`tool_calls`,
+        the `tool` role); elsewhere in words (`Conversation.plain_turns`: a call said as made, a
+        result as a user turn), so that a text answer reads the result rather than writing the call
+        again."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            pairs = [("system", system)] if system else []
+            return self.render_messages([*pairs, *conversation.plain_turns()])
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        if self.supports_tools:
+            for index, turn in enumerate(conversation.turns):
+                message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+                if turn.calls:
+                    message["tool_calls"] = [self._checked_call(c, index) for c in turn.calls]
+                if turn.role == "tool":
+                    message.update(tool_call_id=turn.call_id, name=turn.name)
+                messages.append(message)
+        else:
+            messages += [{"role": r, "content": c} for r, c in conversation.plain_turns()]
+        return self._render(messages, tools=tools)
+
+    def _checked_call(self, call: Any, index: int) -> dict[str, Any]:
+        """A call as the template reads it; its name and arguments are rendered by the template, so
+        they must hold no control string (they are not encoded as data)."""
+        written = json.dumps([call.name, call.arguments], ensure_ascii=False)
+        found = [c for c in self.control_strings if c in written]
+        if found:
+            raise InputError(f"turn #{index}: a tool call's arguments contain the control token {found[0]!r}")
+        return dict(call.openai())
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        until_last: bool = False,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> list[int]:
+        """Messages rendered by the template, each non-empty content as data (through a slot)."""
         if self._system_in_user:
             messages = _fold_system(messages)
-        slots = [f"\x1epcd-slot-{i}\x1e" for i in range(len(messages))]
-        slotted = [{"role": role, "content": slot} for (role, _), slot in zip(messages, slots, strict=True)]
+        slotted, slots = [], []
+        for i, message in enumerate(messages):
+            slot = (
+                f"\x1epcd-slot-{i}\x1e"
+                if message["content"] or (until_last and i == len(messages) - 1)
+                else None
+            )
+            slotted.append({**message, "content": slot if slot is not None else ""})
+            slots.append(slot)
         rest = self._apply(slotted, tools if self.supports_tools else ())
         ids: list[int] = []
-        for slot, (_, content) in zip(slots, messages, strict=True):
+        for slot, message in zip(slots, messages, strict=True):
+            if slot is None:
+                continue
             if rest.count(slot) != 1:
                 raise ValueError("the chat template does not render message contents verbatim")
             before, rest = rest.split(slot)
             ids += self._encode_control(before)
-            if until_last and slot == slots[-1]:
+            if until_last and message is messages[-1]:
                 return ids
-            ids += self.encode_text(content)
+            ids += self.encode_text(message["content"])
         return ids + self._encode_control(rest)
 
     def with_conversation(
@@ -240,13 +264,18 @@ class ChatPrompt:
         conversation: Conversation,
         tools: Sequence[Mapping[str, Any]] = (),
     ) -> PromptIds:
-        """A conversation's prompt on a rendered head: its turns rendered by the template after the
-        system text (a tool result in the template's own role), where that rendering starts with the
-        head; otherwise (a template that folds the system text into the user's turn, a text frame)
-        its flattened `text` as one user message."""
+        """A conversation's prompt on a rendered head. One user turn is rendered exactly as a plain
+        string; a longer conversation as its turns after the system text (`render_conversation`),
+        where that rendering starts with the head; otherwise (a template that folds the system text
+        into the user's turn or rejects a role, a text frame, examples in the head) the documented
+        fallback: its `text` as one user message."""
+        if conversation.user_text is not None:
+            return self.with_head(head, conversation.user_text)
         if self.frame.name == "turn" and getattr(self.tokenizer, "chat_template", None):
             try:
-                ids = self.render_messages([("system", system), *conversation.messages], tools=tools)
+                ids = self.render_conversation(system, conversation, tools)
+            except InputError:
+                raise
             except Exception:  # a template that rejects a role (e.g. `tool`) or the turn order
                 ids = []
             if tuple(ids[: len(head)]) == head and len(ids) > len(head):
@@ -330,7 +359,7 @@ class ChatPrompt:
         middle, tail = rest.split(USER_SLOT)
         return start, middle, tail
 
-    def _apply(self, messages: list[dict[str, str]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    def _apply(self, messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
         extra = {"tools": list(tools)} if tools else {}
         out = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs, **extra
@@ -367,20 +396,20 @@ def _control_ids(tokenizer: Any, strings: tuple[str, ...]) -> set[int]:
     return ids
 
 
-def _fold_system(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+def _fold_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """For templates without a system role: system text goes in front of the next user message."""
-    out: list[tuple[str, str]] = []
+    out: list[dict[str, Any]] = []
     pending = ""
-    for role, content in messages:
-        if role == "system":
-            pending += content + "\n\n"
-        elif role == "user" and pending:
-            out.append((role, pending + content))
+    for message in messages:
+        if message["role"] == "system":
+            pending += message["content"] + "\n\n"
+        elif message["role"] == "user" and pending:
+            out.append({**message, "content": pending + message["content"]})
             pending = ""
         else:
-            out.append((role, content))
+            out.append(message)
     if pending:
-        out.append(("user", pending.rstrip()))
+        out.append({"role": "user", "content": pending.rstrip()})
     return out
 
 

@@ -163,7 +163,11 @@ class PCDResult(Generic[T]):
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "value": self.value.model_dump(mode="json") if isinstance(self.value, BaseModel) else self.value,
+            "value": (
+                self.value.model_dump(mode="json", by_alias=True)
+                if isinstance(self.value, BaseModel)
+                else self.value
+            ),
             "fields": {path: f.to_json() for path, f in self.fields.items()},
             "needs_review": self.needs_review,
             "abstained_fields": self.abstained_fields,

@@ -14,13 +14,13 @@ The priors are the log of the mean probability the trees get for content-free te
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from pcd_engine import shortlist
+from pcd_engine.bounded_cache import BoundedCache
 from pcd_engine.branches import TokenTree, rows_in, sub_tree
 from pcd_engine.cache import PrefixCache
 from pcd_engine.hidden import HiddenCapture
@@ -33,12 +33,19 @@ CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
 
 
 class Scorer:
-    def __init__(self, runner: BranchRunner, prefix_cache: PrefixCache | None, prompt: ChatPrompt) -> None:
+    def __init__(
+        self,
+        runner: BranchRunner,
+        prefix_cache: PrefixCache | None,
+        prompt: ChatPrompt,
+        max_priors: int = 256,
+    ) -> None:
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.prompt = prompt
-        self._priors: dict[tuple[int, tuple[bool, ...]], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
+        # per plan (kept with it: an id is only unique while its plan lives), bounded like the plans
+        self.priors_cache: BoundedCache[tuple[int, tuple[bool, ...]], tuple[SchemaPlan, list[torch.Tensor]]]
+        self.priors_cache = BoundedCache(max_priors)
 
     def score(
         self,
@@ -85,10 +92,9 @@ class Scorer:
         or logits per tree), over `plan.prior_trees` (a shortlisted decision's whole tree); the
         first call per plan runs the texts on `stats`' behalf."""
         key = (id(plan), tuple(plan.normalized if normalized is None else normalized))
-        with self._lock:
-            cached = self._priors.get(key)
-        if cached is not None:
-            return cached
+        cached = self.priors_cache.get(key)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
         runs = []
         for text in CONTENT_FREE_TEXTS:
             ids = self.prompt.with_head(plan.head, text).ids
@@ -97,8 +103,7 @@ class Scorer:
         priors = [
             torch.logsumexp(torch.stack(per_tree), dim=0) - count for per_tree in zip(*runs, strict=True)
         ]
-        with self._lock:
-            self._priors[key] = priors
+        self.priors_cache.put(key, (plan, priors), replace=True)
         return priors
 
     def score_trees(

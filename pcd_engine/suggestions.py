@@ -45,15 +45,20 @@ def uncertainty(fields: Mapping[str, FieldResult], by: str = "margin") -> tuple[
     return worst.path, of(worst)
 
 
+def check_suggest(count: int, by: str) -> None:
+    """ValueError for a count or measure `pick_uncertain` cannot use (run before any text is scored)."""
+    if by not in MEASURES:
+        raise ValueError(f"by must be one of {MEASURES}, got {by!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int of at least 1, got {count!r}")
+
+
 def pick_uncertain(
     per_text: Sequence[Mapping[str, FieldResult] | None], count: int, by: str = "margin"
 ) -> list[Uncertain]:
     """Up to `count` texts (None: a text with no answer, never picked), least certain first within
     each (field, predicted value) group, the groups taking turns in order of their least certain text."""
-    if by not in MEASURES:
-        raise ValueError(f"by must be one of {MEASURES}, got {by!r}")
-    if count < 1:
-        raise ValueError(f"count must be at least 1, got {count}")
+    check_suggest(count, by)
     groups: dict[tuple[str, str], list[Uncertain]] = {}
     for index, fields in enumerate(per_text):
         found = uncertainty(fields, by) if fields is not None else None

@@ -1,8 +1,9 @@
 """Tool calls on an engine: the decision scored, then the chosen tool's open arguments or a text answer.
 
-`ToolCaller.call` renders the conversation after the decision schema's head (tools.py): earlier calls
-in the wording the branches continue (`ToolPlan.call_text`), tool results in the template's `tool`
-role. It scores the decision and every candidate tool's closed arguments in one packed pass
+`ToolCaller.call` reads the messages as a `Conversation` (conversation.py) and the engine renders it
+after the decision schema's head as every door does (earlier calls and results in the template's tool
+protocol, or in words where it has none). It scores the decision and every candidate tool's closed
+arguments in one packed pass
 (`engine.classify`, so calibrations, heads and `abstain_below` apply as to any field), then generates
 only the chosen tool's open arguments under its JSON schema (xgrammar) with the scored ones pinned,
 and validates the whole against the tool's own argument schema; a text answer is plain generation.
@@ -17,18 +18,21 @@ and validates the whole against the tool's own argument schema; a text answer is
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
+from typing_extensions import Unpack
 
+from pcd_engine.bounded_cache import BoundedCache
 from pcd_engine.calibration import Calibration
+from pcd_engine.conversation import Conversation, joined, new_call_id
 from pcd_engine.errors import InputError, StructuredOutputError
 from pcd_engine.generate import Sampling
-from pcd_engine.prompt import Conversation
-from pcd_engine.results import FieldResult, PCDResult, TokenLogprob
+from pcd_engine.options import ClassifyOptions, PlanOptions
+from pcd_engine.prompt import ChatPrompt, TextInput
+from pcd_engine.results import FieldResult, Generation, PCDResult, TokenLogprob
 from pcd_engine.tools import ToolArguments, ToolChoice, ToolPlan, as_tools, build_tool_plan, pinned_arguments
 
 ARGUMENT_INSTRUCTIONS = (
@@ -60,6 +64,7 @@ class ToolCallResult:
     scoring: PCDResult[Any] | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     text_value: str | None = None  # the decision's value that means a text answer
+    call_id: str | None = None  # the call's id (conversation.new_call_id), None for a text answer
 
     @property
     def probabilities(self) -> dict[str | None, float]:
@@ -67,6 +72,11 @@ class ToolCallResult:
         if self.decision is None:
             return {None: 1.0}
         return {None if v == self.text_value else str(v): p for v, p in self.decision.probabilities.items()}
+
+    @property
+    def keyed_probabilities(self) -> dict[str, float]:
+        """`probabilities` with JSON keys: the text answer as "" (no tool is named so)."""
+        return {name if name is not None else "": p for name, p in self.probabilities.items()}
 
     @property
     def abstained_fields(self) -> list[str]:
@@ -81,6 +91,8 @@ class ToolCallResult:
         """The decision and arguments with their probabilities, as the adapters publish them."""
         out: dict[str, Any] = {
             "tool": self.tool,
+            "call_id": self.call_id,
+            "probabilities": self.keyed_probabilities,
             "decision": self.decision.to_json() if self.decision is not None else None,
             "arguments": {path: f.to_json() for path, f in self.fields.items()},
             "abstained_fields": self.abstained_fields,
@@ -92,33 +104,48 @@ class ToolCallResult:
         return out
 
 
-Message = Mapping[str, Any] | tuple[str, str]
+class ToolEngine(Protocol):
+    """What the tool caller uses of an engine (`PCDEngine` is one): its prompt and public calls."""
+
+    prompt: ChatPrompt
+
+    def classify(
+        self, text: TextInput, schema: Any, **options: Unpack[ClassifyOptions]
+    ) -> PCDResult[Any]: ...
+
+    def calibrate(
+        self,
+        schema: Any,
+        texts: Sequence[str | Conversation],
+        labels: Sequence[Any] | None = None,
+        *,
+        method: str = "auto",
+        folds: int = 5,
+        **options: Unpack[PlanOptions],
+    ) -> Calibration: ...
+
+    def generate(self, messages: Any, **options: Any) -> Generation: ...
 
 
 class ToolCaller:
     """Tool calls on an engine, by composition (it uses the engine's public `classify` and
-    `generate`); `engine.tools` is one.
+    `generate`); `engine.tools` is one. Plans are kept per (tools, choice) in a bounded cache.
 
         >>> engine.tools.call(messages, tools, tool_choice="required")  # doctest: +SKIP
     """
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine  # the PCDEngine (typed loosely: engine.py imports this module)
-        self._plans: dict[str, ToolPlan] = {}
-        self._lock = threading.Lock()
+    def __init__(self, engine: ToolEngine, max_plans: int = 256) -> None:
+        self.engine = engine
+        self.plans: BoundedCache[str, ToolPlan] = BoundedCache(max_plans)
 
     def plan(self, tools: Sequence[Any], tool_choice: Any = "auto") -> ToolPlan:
         """The cached ToolPlan of these tools and this choice (InputError for bad ones)."""
         parsed = as_tools(tools)
         choice = ToolChoice.parse(tool_choice, parsed)
         key = json.dumps([[t.openai() for t in parsed], choice.mode, choice.name], sort_keys=True)
-        with self._lock:
-            found = self._plans.get(key)
-        if found is None:
-            found = build_tool_plan(parsed, choice, self.engine.prompt.supports_tools)
-            with self._lock:
-                found = self._plans.setdefault(key, found)
-        return found
+        return self.plans.get_or_build(
+            key, lambda: build_tool_plan(parsed, choice, self.engine.prompt.supports_tools)
+        )
 
     def schema(self, tools: Sequence[Any], tool_choice: Any = "auto") -> type[BaseModel]:
         """The decision schema (what `classify` scores for these tools, with the plan's
@@ -130,30 +157,10 @@ class ToolCaller:
             raise InputError('tool_choice "none" has no decision to score')
         return plan.schema
 
-    def conversation(self, messages: Sequence[Message], plan: ToolPlan) -> tuple[str | None, Conversation]:
-        """(system text, the other turns): calls written as `plan.call_text`, results as `tool`
-        turns. Messages are role/content dicts (an assistant's may hold `tool_calls`, each a
-        `{"name", "arguments"}` dict or an OpenAI `{"function": {...}}` entry) or pairs."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} items")
-        system, turns = [], []
-        for index, message in enumerate(messages):
-            role, content, calls = _message(message, index)
-            if calls:
-                written = [plan.call_text(*_call(c, index)) for c in calls]
-                content = "\n".join([content, *written] if content else written)
-            if role == "system":
-                system.append(content)
-            else:
-                turns.append((role, content))
-        if not turns:
-            raise InputError("messages hold only system text; add the user's message")
-        return ("\n\n".join(system) or None), Conversation(tuple(turns))
-
     def calibrate(
         self,
         tools: Sequence[Any],
-        conversations: Sequence[str | Sequence[Message]],
+        conversations: Sequence[Any],
         labels: Sequence[Any] | None = None,
         *,
         tool_choice: Any = "auto",
@@ -170,24 +177,16 @@ class ToolCaller:
         plan = self.plan(tools, tool_choice)
         if plan.schema is None or plan.forced is not None:
             raise InputError(f"tool_choice {tool_choice!r} leaves no decision to calibrate")
-        systems, inputs = set(), []
-        for item in conversations:
-            messages = [{"role": "user", "content": item}] if isinstance(item, str) else item
-            system, conversation = self.conversation(messages, plan)
-            systems.add(system)
-            inputs.append(conversation)
-        if len(systems) > 1:
-            raise InputError("the conversations have different system texts: calibrate each apart")
-        own = [t for t in (*systems, instructions) if t]
+        inputs = [Conversation.of(item) for item in conversations]
         decided = [plan.label(label, n) for n, label in enumerate(labels)] if labels is not None else None
-        asked = "\n\n".join([*own, plan.instructions])
+        asked = joined(instructions, plan.instructions)
         return self.engine.calibrate(
             plan.schema, inputs, decided, method=method, folds=folds, instructions=asked, rule=rule
         )
 
     def call(
         self,
-        messages: Sequence[Message],
+        messages: Any,
         tools: Sequence[Any],
         *,
         tool_choice: Any = "auto",
@@ -209,10 +208,9 @@ class ToolCaller:
         leaves one tool ("required" with one tool, or a tool's name) is that tool's structured
         output: `classify` on its arguments."""
         plan = self.plan(tools, tool_choice)
-        system, conversation = self.conversation(messages, plan)
+        conversation = Conversation.of(messages)
         if plan.schema is None:
-            return self._text(system, conversation, plan, None, max_tokens, sampling, logprobs)
-        own = [t for t in (system, instructions) if t]
+            return self._text(conversation, plan, None, max_tokens, sampling, logprobs)
         forced = plan.arguments[plan.forced] if plan.forced is not None else None
         if forced is not None and not forced.model.model_fields:  # nothing to ask: no arguments
             return _forced_call(forced, None)
@@ -220,14 +218,14 @@ class ToolCaller:
             result = self.engine.classify(
                 conversation,
                 forced.model,
-                instructions="\n\n".join(own) or None,
+                instructions=instructions,
                 rule=rule,
                 abstain_below=abstain_below,
                 sampling=sampling,
                 logprobs=logprobs,
             )
             return _forced_call(forced, result)
-        asked = "\n\n".join([*own, plan.instructions])
+        asked = joined(instructions, plan.instructions)
         scored = self.engine.classify(
             conversation,
             plan.schema,
@@ -241,7 +239,7 @@ class ToolCaller:
         value = scored.value.model_dump(mode="json", by_alias=True)
         name = plan.tool_of(value[plan.key])
         if name is None:
-            return self._text(system, conversation, plan, scored, max_tokens, sampling, logprobs)
+            return self._text(conversation, plan, scored, max_tokens, sampling, logprobs)
         a = plan.arguments[name]
         fields = {
             p.split(".", 1)[1]: replace(f, path=p.split(".", 1)[1])
@@ -250,7 +248,7 @@ class ToolCaller:
         }
         nested = getattr(scored.value, a.field) if a.field else None
         closed = {n: getattr(nested, n) for n in a.closed} if nested is not None else {}
-        generated = self._open_arguments(a, closed, own, conversation, sampling, logprobs)
+        generated = self._open_arguments(a, closed, instructions, conversation, sampling, logprobs)
         tokens, used = None, 0
         if generated is None:  # the scored arguments in their JSON form (an Enum as its value)
             scored_json = nested.model_dump(mode="json", by_alias=True) if nested is not None else {}
@@ -272,13 +270,14 @@ class ToolCaller:
             scored,
             tokens,
             plan.text_value,
+            new_call_id(),
         )
 
     def _open_arguments(
         self,
         a: ToolArguments,
         closed: Mapping[str, Any],
-        own: Sequence[str],
+        instructions: str | None,
         conversation: Conversation,
         sampling: Sampling | None,
         logprobs: int | None,
@@ -292,14 +291,13 @@ class ToolCaller:
         return self.engine.classify(
             conversation,
             pinned_arguments(a, closed) if closed else a.model,
-            instructions="\n\n".join([*own, asked]),
+            instructions=joined(instructions, asked),
             sampling=sampling,
             logprobs=logprobs,
         )
 
     def _text(
         self,
-        system: str | None,
         conversation: Conversation,
         plan: ToolPlan,
         scored: PCDResult[Any] | None,
@@ -307,9 +305,12 @@ class ToolCaller:
         sampling: Sampling | None,
         logprobs: int | None,
     ) -> ToolCallResult:
-        turns = [("system", system)] if system else []
         generation = self.engine.generate(
-            [*turns, *conversation.messages], max_tokens=max_tokens, sampling=sampling, logprobs=logprobs
+            conversation,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            logprobs=logprobs,
+            tools=plan.choice.allowed(plan.tools),
         )
         return ToolCallResult(
             None,
@@ -334,7 +335,7 @@ def _forced_call(a: ToolArguments, result: PCDResult[Any] | None) -> ToolCallRes
     name = a.tool.name
     decision = FieldResult("tool", name, {name: 1.0}, {name: 0.0}, 1.0, "fixed")
     if result is None:  # no model work: no prompt tokens processed
-        return ToolCallResult(name, {}, None, decision, {}, "tool_calls", 0, 0)
+        return ToolCallResult(name, {}, None, decision, {}, "tool_calls", 0, 0, call_id=new_call_id())
     arguments = _without_nulls(a, result.value.model_dump(mode="json", by_alias=True))
     d = result.diagnostics
     return ToolCallResult(
@@ -348,38 +349,8 @@ def _forced_call(a: ToolArguments, result: PCDResult[Any] | None) -> ToolCallRes
         d.generated_tokens,
         result,
         result.token_logprobs,
+        call_id=new_call_id(),
     )
-
-
-def _message(message: Any, index: int) -> tuple[str, str, list[Any]]:
-    if isinstance(message, tuple) and len(message) == 2:
-        role, content, calls = message[0], message[1], []
-    elif isinstance(message, Mapping):
-        role, content = message.get("role"), message.get("content")
-        calls = list(message.get("tool_calls") or [])
-    else:
-        raise InputError(f"message #{index} must be a dict with 'role' and 'content' or a pair")
-    content = "" if content is None and (calls or role == "assistant") else content
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise InputError(f"message #{index}: role and content must be strings")
-    return role, content, calls
-
-
-def _call(call: Any, index: int) -> tuple[str, dict[str, Any]]:
-    """(name, arguments) of an earlier call: `{"name", "arguments"}` or OpenAI's
-    `{"function": {"name", "arguments": "<json>"}}`."""
-    function = call.get("function", call) if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise InputError(f"message #{index}: a tool call needs a name")
-    arguments = function.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            raise InputError(f"message #{index}: tool call arguments are not JSON: {error}") from None
-    if not isinstance(arguments, Mapping):
-        raise InputError(f"message #{index}: tool call arguments must be an object")
-    return function["name"], dict(arguments)
 
 
 def _validated(a: ToolArguments, arguments: dict[str, Any]) -> dict[str, Any]:

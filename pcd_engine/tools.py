@@ -203,10 +203,6 @@ class ToolPlan:
         """The tool a decision value names (None: the text answer)."""
         return None if value == self.text_value else value
 
-    def call_text(self, name: str, arguments: Mapping[str, Any]) -> str:
-        """An earlier call as the assistant's turn, in the wording the decision's branches continue."""
-        return json.dumps({self.key: name, name: dict(arguments)}, ensure_ascii=False)
-
 
 def build_tool_plan(tools: Sequence[Tool], choice: ToolChoice, in_template: bool) -> ToolPlan:
     taken = {t.name for t in tools}
