@@ -8,6 +8,7 @@ adapters need before any model work.
 from pcd_engine import metrics
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import Calibration, FieldCalibration, ModelIdentity
+from pcd_engine.conversation import ROLE_ALIASES, Call, Conversation, Turn, new_call_id
 from pcd_engine.engine import DEFAULT_RULE, PCDEngine
 from pcd_engine.errors import (
     AbstentionError,
@@ -33,7 +34,7 @@ from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.precision import SelfCheck
-from pcd_engine.prompt import LAYOUTS, TEXT_FRAMINGS, Conversation, RawPrompt
+from pcd_engine.prompt import LAYOUTS, TEXT_FRAMINGS, RawPrompt
 from pcd_engine.results import (
     Diagnostics,
     FieldResult,
@@ -54,12 +55,14 @@ __all__ = [
     "GRAMMAR_KINDS",
     "LAYOUTS",
     "MANIFEST_NAME",
+    "ROLE_ALIASES",
     "RULES",
     "TEXT_FRAMINGS",
     "TOOL_CHOICES",
     "AbstentionError",
     "Calibration",
     "CalibrationError",
+    "Call",
     "ClassifyOptions",
     "CodeRule",
     "CompiledSchema",
@@ -106,6 +109,7 @@ __all__ = [
     "ToolCallResult",
     "ToolCaller",
     "ToolChoice",
+    "Turn",
     "UnsupportedSchemaError",
     "__version__",
     "as_tools",
@@ -113,6 +117,7 @@ __all__ = [
     "create_manifest",
     "evaluate",
     "metrics",
+    "new_call_id",
     "output_type",
     "read_manifest",
     "require_closed",

@@ -52,7 +52,11 @@ class Call:
 
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
-    id: str = field(default_factory=new_call_id)
+    id: str = ""  # empty: a new one is minted (new_call_id)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", new_call_id())
 
     def openai(self) -> dict[str, Any]:
         """The call as an OpenAI `tool_calls` entry, arguments as an object (what templates read)."""
@@ -283,7 +287,7 @@ def _read_call(call: Any, index: int) -> Call:
     call_id = call.get("id") if isinstance(call, Mapping) else None
     if call_id is not None and not isinstance(call_id, str):
         raise InputError(f"message #{index}: a tool call's id must be a str")
-    return Call(function["name"], dict(arguments), call_id or new_call_id())
+    return Call(function["name"], dict(arguments), call_id or "")
 
 
 def system_texts(inputs: Iterable[Any]) -> list[str | None]:

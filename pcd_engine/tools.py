@@ -232,7 +232,8 @@ def build_tool_plan(tools: Sequence[Tool], choice: ToolChoice, in_template: bool
 
 def _arguments(tool: Tool, index: int) -> ToolArguments:
     try:
-        model = tool.model or output_type(dict(tool.parameters)).model
+        definition = {"name": tool.name, "description": tool.description, "parameters": dict(tool.parameters)}
+        model = tool.model or output_type(definition).model  # titled by the tool's name
         if not model.model_fields:  # a tool without arguments
             return ToolArguments(tool, model, (), None)
         compiled = compile_schema(model, allow_open=True)

@@ -90,19 +90,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def classified_message(
     call: calls.ClassifyCall, result: PCDResult[Any], index: int, calibration: CalibrationUsed | None = None
 ) -> Choice:
-    """The assistant message (`content`, or one `tool_calls` entry) and the `pcd` extension, which
-    names the calibration applied (None: none)."""
+    """The assistant message (the object's JSON as `content`) and the `pcd` extension, which names
+    the calibration applied (None: none)."""
     answer = result.to_json()
-    arguments = json.dumps(answer["value"], ensure_ascii=False)
     if call.answer == "choice":  # vLLM's `choice`: the chosen string alone
         message = AssistantMessage(role="assistant", content=answer["value"][CHOICE_FIELD], refusal=None)
-    elif call.tool is None:
-        message = AssistantMessage(role="assistant", content=arguments, refusal=None)
     else:
-        function = FunctionCall(name=call.tool, arguments=arguments)
-        message = AssistantMessage(
-            role="assistant", content=None, refusal=None, tool_calls=[_tool_call(function)]
-        )
+        content = json.dumps(answer["value"], ensure_ascii=False)
+        message = AssistantMessage(role="assistant", content=content, refusal=None)
     d = result.diagnostics
     extension = PCDExtension(
         fields={path: FieldAnswer(**f) for path, f in answer["fields"].items()},
@@ -117,8 +112,7 @@ def classified_message(
     logprobs = None
     if call.logprobs is not None:
         logprobs = scored_logprobs(fields, result.token_logprobs, call.logprobs, as_text)
-    finish: FinishReason = "stop" if call.tool is None else "tool_calls"
-    return Choice(index=index, message=message, finish_reason=finish, logprobs=logprobs, pcd=extension)
+    return Choice(index=index, message=message, finish_reason="stop", logprobs=logprobs, pcd=extension)
 
 
 def tool_message(call: calls.ToolCall, result: ToolCallResult, index: int) -> Choice:
@@ -127,9 +121,10 @@ def tool_message(call: calls.ToolCall, result: ToolCallResult, index: int) -> Ch
     message = AssistantMessage(role="assistant", content=result.text, refusal=None)
     if result.tool is not None:
         arguments = json.dumps(result.arguments or {}, ensure_ascii=False)
-        message.tool_calls = [_tool_call(FunctionCall(name=result.tool, arguments=arguments))]
+        function = FunctionCall(name=result.tool, arguments=arguments)
+        assert result.call_id is not None  # a call always has its id
+        message.tool_calls = [ToolCall(id=result.call_id, type="function", function=function)]
     decision = result.to_json()
-    decision["probabilities"] = {k if k is not None else "": p for k, p in result.probabilities.items()}
     decided = [result.decision] if result.decision is not None else []
     fields = [*decided, *result.fields.values()]
     logprobs = None if call.logprobs is None else scored_logprobs(fields, result.logprobs, call.logprobs)
@@ -140,10 +135,6 @@ def tool_message(call: calls.ToolCall, result: ToolCallResult, index: int) -> Ch
         logprobs=logprobs,
         pcd=ToolDecisionExtension(**decision),
     )
-
-
-def _tool_call(function: FunctionCall) -> ToolCall:
-    return ToolCall(id=f"call_{secrets.token_hex(12)}", type="function", function=function)
 
 
 def scored_logprobs(

@@ -101,7 +101,6 @@ class ClassifyRunner:
         results = self.engine.classify_batch(
             inputs,
             first.schema,
-            instructions=first.instructions,
             sampling=first.sampling,
             abstain_below=first.abstain_below,
             calibration=self.calibrations.by_name.get(first.calibration or ""),
@@ -180,7 +179,7 @@ class Completions:
     async def _classify(self, call: ClassifyCall, request: Request) -> Response:
         try:  # schema errors before any model work (the plan is cached per schema)
             plan = await asyncio.to_thread(
-                self.engine.plan, call.schema, instructions=call.instructions, layout=call.layout
+                self.engine.plan, call.schema, instructions=call.system, layout=call.layout
             )
         except PCDError as error:
             raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
@@ -203,12 +202,17 @@ class Completions:
             raise APIError(400, message, param=call.grammar_param, code="invalid_grammar") from None
 
     async def _tool_call(self, call: ToolCall, request: Request) -> Response:
-        """A tool decision (or text answer) per choice, on the model worker."""
+        """A tool decision (or text answer, or the one tool a choice names) per choice, on the model
+        worker; the tools' parameters are checked first, before any model work."""
+        try:
+            await asyncio.to_thread(self.engine.tools.plan, call.tools, call.tool_choice)
+        except PCDError as error:
+            raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
 
         def decide() -> list[Any]:
             return [
                 self.engine.tools.call(
-                    call.messages,
+                    call.conversation,
                     call.tools,
                     tool_choice=call.tool_choice,
                     abstain_below=call.abstain_below,

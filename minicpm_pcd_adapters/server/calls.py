@@ -1,11 +1,12 @@
 """What a Chat Completions request asks of the engine: its body (`protocol.ChatCompletionRequest`)
 checked into a call. No web framework and no model here; `answers.py` writes the answers.
 
-`parse_request(body, limits)` returns one of:
-- `ClassifyCall`: a `json_schema` response format, or a forced tool call (one function, named by
-  `tool_choice` or `"required"`): the engine classifies the conversation's text with that schema;
-- `ToolCall`: tools the model chooses between (`tool_choice` "auto", or "required" between several):
-  the engine scores which tool to call, or a text answer, and the chosen tool's closed arguments;
+`parse_request(body, limits)` reads the messages into the engine's `Conversation` once
+(`conversation_of`) and returns one of:
+- `ClassifyCall`: a `json_schema` response format or a choice: the engine classifies the conversation
+  with that schema;
+- `ToolCall`: tools to call (`engine.tools.call`): the model chooses between them ("auto", or
+  "required" between several), or must call one (a named tool, or "required" with one tool);
 - `GenerateCall`: plain chat, or `json_object` (grammar-constrained JSON).
 
 Anything it cannot honour raises `APIError` (HTTP 400 with OpenAI's error body: message, type, param,
@@ -15,8 +16,8 @@ code) before any model work. The per-field scores go in an extension object on e
     >>> call = parse_request(
     ...     {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}, RequestLimits()
     ... )
-    >>> type(call).__name__, call.messages
-    ('GenerateCall', [('user', 'Hi')])
+    >>> type(call).__name__, call.conversation.user_text
+    ('GenerateCall', 'Hi')
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from minicpm_pcd_adapters.messages import structured_request
 from minicpm_pcd_adapters.server.constraints import (
     Constraint,
     choice_schema,
@@ -40,7 +40,7 @@ from minicpm_pcd_adapters.server.protocol import (
     ResponseFormat,
     TextPart,
 )
-from pcd_engine import Grammar, RawPrompt, Sampling
+from pcd_engine import Call, Conversation, Grammar, InputError, RawPrompt, Sampling, Turn
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,13 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class ClassifyCall:
-    """Classify `text` with `schema` (a JSON-schema dict, or a function definition for a tool call)."""
+    """Classify `conversation` with `schema` (a JSON-schema dict)."""
 
     model: str
     schema: dict[str, Any]
-    instructions: str | None
-    text: str
+    conversation: Conversation | None  # None: /v1/completions, whose `prompts` are classified
     sampling: Sampling  # for generated (open) fields
     n: int = 1
-    tool: str | None = None  # the function's name when answered as a tool call
     abstain_below: float | None = None
     stream: bool = False
     include_usage: bool = False
@@ -75,26 +73,31 @@ class ClassifyCall:
     def layout(self) -> str:
         return self.prompts[0].layout if self.prompts else "chat"
 
+    @property
+    def system(self) -> str | None:
+        """The conversation's system text: the instructions its plan is built with."""
+        return self.conversation.system if self.conversation is not None else None
+
     def inputs(self) -> list[Any]:
-        """What the engine classifies, in choice order: each prompt (or the text) `n` times."""
-        return [p for p in self.prompts or [self.text] for _ in range(self.n)]
+        """What the engine classifies, in choice order: each prompt (or the conversation) `n` times."""
+        return [p for p in self.prompts or [self.conversation] for _ in range(self.n)]
 
     def batch_key(self) -> tuple[Any, ...]:
-        """Requests with equal keys can share one `classify_batch` (same schema, layout, options)."""
+        """Requests with equal keys can share one `classify_batch` (same schema, plan, options)."""
         schema = json.dumps(self.schema, sort_keys=True)
         options = (self.sampling, self.abstain_below, self.calibration, self.logprobs)
-        return (schema, self.instructions, self.layout, *options)
+        return (schema, self.system, self.layout, *options)
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """Decide between `tools` (and a text answer under "auto") for the conversation `messages`
-    (role/content dicts, earlier calls as `tool_calls`): `engine.tools.call`."""
+    """Decide between `tools` (and a text answer under "auto") for `conversation`, or call the one
+    tool a choice names: `engine.tools.call`."""
 
     model: str
-    messages: list[dict[str, Any]]
+    conversation: Conversation
     tools: list[dict[str, Any]]  # OpenAI `tools` entries
-    tool_choice: str  # "auto" or "required"
+    tool_choice: Any  # "auto", "required", or `{"type": "function", "function": {"name": ...}}`
     sampling: Sampling  # for generated arguments and text answers
     max_tokens: int
     n: int = 1
@@ -102,12 +105,13 @@ class ToolCall:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
+    schema_param: str = "tools"  # where errors in a tool's parameters point
 
 
 @dataclass(frozen=True)
 class GenerateCall:
     model: str
-    messages: list[tuple[str, str]]
+    conversation: Conversation | None  # None: /v1/completions, whose `prompts` are continued
     max_tokens: int
     stop: list[str]
     sampling: Sampling
@@ -123,7 +127,7 @@ class GenerateCall:
     def runs(self) -> list[tuple[Any, Sampling]]:
         """(engine input, sampling) per choice, in choice order: each prompt (or the conversation)
         `n` times, a given seed offset per choice so that they differ."""
-        inputs: list[Any] = [RawPrompt(p) for p in self.prompts] or [self.messages]
+        inputs: list[Any] = [RawPrompt(p) for p in self.prompts] or [self.conversation]
         return [(item, nth_sampling(self.sampling, k)) for item in inputs for k in range(self.n)]
 
 
@@ -140,10 +144,9 @@ def parse_request(
     constraint = read_constraint(request)
     if constraint is not None:
         _alone(constraint, request)
-    decided = _tool_decision(request)
-    structured = None if decided or constraint else _structured_target(request)
+    decided = _tool_choice(request)
     _refuse_unsupported(request, limits)
-    messages = _message_pairs(request, limits)
+    conversation = conversation_of(request, limits)
     sampling = request_sampling(request)
     n = request.n or 1
     stream = bool(request.stream)
@@ -155,30 +158,28 @@ def parse_request(
     abstain = request.pcd.abstain_below if request.pcd else None
     if decided is not None:
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-        turns = _engine_messages(request, messages)
         return ToolCall(
-            request.model, turns, tools, decided, sampling, max_tokens, n, abstain, stream, usage, logprobs
-        )
+            request.model, conversation, tools, decided, sampling, max_tokens, n, abstain, stream, usage,
+            logprobs, _tool_param(request),
+        )  # fmt: skip
     if constraint is not None and constraint.kind in ("choice", "json"):
-        instructions, text = structured_request(messages)
         schema = choice_schema(constraint.value) if constraint.kind == "choice" else constraint.value
         answer = "choice" if constraint.kind == "choice" else "json"
         return ClassifyCall(
-            request.model, schema, instructions, text, sampling, n, None, abstain, stream, usage,
-            constraint.param, logprobs=logprobs, answer=answer,
+            request.model, schema, conversation, sampling, n, abstain, stream, usage, constraint.param,
+            logprobs=logprobs, answer=answer,
         )  # fmt: skip
-    if structured is not None:
-        schema, tool, param = structured
-        instructions, text = structured_request(messages)
+    format_ = request.response_format
+    if format_ is not None and format_.type == "json_schema":
         return ClassifyCall(
-            request.model, schema, instructions, text, sampling, n, tool, abstain, stream, usage, param,
-            logprobs=logprobs,
+            request.model, format_schema(format_), conversation, sampling, n, abstain, stream, usage,
+            "response_format.json_schema.schema", logprobs=logprobs,
         )  # fmt: skip
-    json_object = request.response_format is not None and request.response_format.type == "json_object"
+    json_object = format_ is not None and format_.type == "json_object"
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     grammar, grammar_param = (constraint.grammar(), constraint.param) if constraint else (None, None)
     return GenerateCall(
-        request.model, messages, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs,
+        request.model, conversation, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs,
         grammar, grammar_param,
     )  # fmt: skip
 
@@ -221,8 +222,12 @@ def refuse_beyond_limits(request: Any, limits: RequestLimits, tokens_param: str,
         raise APIError(400, "stop takes at most 4 sequences", param="stop", code="invalid_value")
 
 
-def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> list[tuple[str, str]]:
-    pairs: list[tuple[str, str]] = []
+def conversation_of(request: ChatCompletionRequest, limits: RequestLimits) -> Conversation:
+    """The request's messages as the engine's conversation: text parts joined (media refused), an
+    assistant's `tool_calls` with their ids, a tool result tied to its call by `tool_call_id`; 400
+    for a bad one, naming the message."""
+    system: list[str] = []
+    turns: list[Turn] = []
     total = 0
     for index, message in enumerate(request.messages):
         content = message.content
@@ -240,7 +245,17 @@ def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> lis
             else (content or "")
         )
         total += len(text)
-        pairs.append(("system" if message.role == "developer" else message.role, text))
+        if message.role in ("system", "developer"):
+            system.append(text)
+            continue
+        try:
+            calls = tuple(
+                Call(c.function.name, _arguments(c.function.arguments), c.id or "")
+                for c in message.tool_calls or ()
+            )
+        except InputError as error:
+            raise APIError(400, str(error), param=f"messages.{index}.tool_calls") from None
+        turns.append(Turn(message.role, text, calls, message.tool_call_id))
     if total > limits.max_text_chars:
         raise APIError(
             400,
@@ -248,31 +263,49 @@ def _message_pairs(request: ChatCompletionRequest, limits: RequestLimits) -> lis
             param="messages",
             code="string_above_max_length",
         )
-    return pairs
+    try:
+        return Conversation(tuple(turns), "\n\n".join(system) or None)
+    except InputError as error:
+        raise APIError(400, str(error), param="messages") from None
 
 
-def _tool_decision(request: ChatCompletionRequest) -> str | None:
-    """ "auto" or "required" when the model chooses between the tools (several, or one or none);
-    None for no tools, "none", or a call forced to one function (a `ClassifyCall`)."""
+def _arguments(text: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise InputError(f"tool call arguments are not JSON: {error}") from None
+    if not isinstance(arguments, dict):
+        raise InputError("tool call arguments must be a JSON object")
+    return arguments
+
+
+def _tool_choice(request: ChatCompletionRequest) -> Any:
+    """The `tool_choice` the engine's tool caller gets ("auto", "required" or a named function), or
+    None for no tools or "none" (plain chat, or a response format)."""
     tools, choice = request.tools or [], request.tool_choice
-    if not tools or not (choice in (None, "auto") or (choice == "required" and len(tools) > 1)):
+    if not tools or choice == "none":
         return None
     if request.response_format is not None and request.response_format.type != "text":
         raise APIError(400, "use either tools or response_format, not both", param="response_format")
+    if isinstance(choice, NamedToolChoice):
+        if all(t.function.name != choice.function.name for t in tools):
+            raise APIError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        return {"type": "function", "function": {"name": choice.function.name}}
     return "auto" if choice is None else str(choice)
 
 
-def _engine_messages(request: ChatCompletionRequest, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The messages as the engine's role/content dicts, an assistant's earlier calls included."""
-    out: list[dict[str, Any]] = []
-    for message, (role, content) in zip(request.messages, pairs, strict=True):
-        entry: dict[str, Any] = {"role": role, "content": content}
-        if message.tool_calls:
-            entry["tool_calls"] = [
-                {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
-            ]
-        out.append(entry)
-    return out
+def _tool_param(request: ChatCompletionRequest) -> str:
+    """Where an error in the called tool's parameters points: the named (or only) tool's."""
+    tools, choice = request.tools or [], request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        index = next(i for i, t in enumerate(tools) if t.function.name == choice.function.name)
+        return f"tools.{index}.function.parameters"
+    return "tools.0.function.parameters" if len(tools) == 1 else "tools"
 
 
 def request_sampling(request: Any) -> Sampling:
@@ -282,33 +315,6 @@ def request_sampling(request: Any) -> Sampling:
         top_p=request.top_p if request.top_p is not None else 1.0,
         seed=request.seed,
     )
-
-
-def _structured_target(request: ChatCompletionRequest) -> tuple[dict[str, Any], str | None, str] | None:
-    """(schema, tool name or None, error param) when the request asks for a schema, else None."""
-    tools, choice, format_ = request.tools or [], request.tool_choice, request.response_format
-    if tools and choice not in (None, "none"):
-        if format_ is not None and format_.type != "text":
-            raise APIError(400, "use either tools or response_format, not both", param="response_format")
-        if isinstance(choice, NamedToolChoice):
-            index = next((i for i, t in enumerate(tools) if t.function.name == choice.function.name), None)
-            if index is None:
-                raise APIError(
-                    400,
-                    f"tool_choice names {choice.function.name!r}, which is not in tools",
-                    param="tool_choice",
-                    code="invalid_value",
-                )
-        else:  # "required" with one tool (several, or "auto", are a ToolCall)
-            index = 0
-        function = tools[index].function
-        definition = {"name": function.name, "parameters": function.parameters or {"type": "object"}}
-        if function.description:
-            definition["description"] = function.description
-        return definition, function.name, f"tools.{index}.function.parameters"
-    if format_ is not None and format_.type == "json_schema":
-        return format_schema(format_), None, "response_format.json_schema.schema"
-    return None
 
 
 def format_schema(format_: ResponseFormat) -> dict[str, Any]:

@@ -55,14 +55,14 @@ def parse_completion(body: Any, limits: RequestLimits) -> ClassifyCall | Generat
         schema = choice_schema(constraint.value) if answer == "choice" else constraint.value
         raw = tuple(RawPrompt(p, "value" if answer == "choice" else "json") for p in prompts)
         return ClassifyCall(
-            request.model, schema, None, "", sampling, n, None, abstain, stream, usage, constraint.param,
+            request.model, schema, None, sampling, n, abstain, stream, usage, constraint.param,
             logprobs=request.logprobs, answer=answer, prompts=raw,
         )  # fmt: skip
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     grammar, param = (constraint.grammar(), constraint.param) if constraint else (None, None)
     return GenerateCall(
-        request.model, [], request.max_tokens or DEFAULT_MAX_TOKENS, stop, sampling, False, n, stream, usage,
-        request.logprobs, grammar, param, tuple(prompts),
+        request.model, None, request.max_tokens or DEFAULT_MAX_TOKENS, stop, sampling, False, n, stream,
+        usage, request.logprobs, grammar, param, tuple(prompts),
     )  # fmt: skip
 
 

@@ -46,17 +46,19 @@ class CalledFunction(BaseModel):
 
 
 class EarlierCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # id, type
+    model_config = ConfigDict(extra="ignore", strict=True)  # type
 
+    id: str | None = None
     function: CalledFunction
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal, tool_call_id: no text we use
+    model_config = ConfigDict(extra="ignore", strict=True)  # name, refusal: no text we use
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | MediaPart] | None = None
     tool_calls: list[EarlierCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 class JsonSchema(_Strict):
@@ -272,6 +274,7 @@ class ToolDecisionExtension(_Answer):
     probability ("" for the text answer), the decision and the chosen tool's arguments as fields."""
 
     tool: str | None
+    call_id: str | None = None  # the call's id, as in `message.tool_calls` (null: a text answer)
     probabilities: dict[str, float]
     decision: FieldAnswer | None
     arguments: dict[str, FieldAnswer]

@@ -1,5 +1,5 @@
 """The examples in the docstrings run (those marked `+SKIP` need a model or a cluster): the core's
-modules and the server's protocol, which load no model."""
+modules, the server's and the adapters' message converters, which load no model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ from minicpm_pcd_adapters import server
 MODULES = sorted(
     [f"pcd_engine.{m.name}" for m in pkgutil.iter_modules(pcd_engine.__path__)]
     + [f"minicpm_pcd_adapters.server.{m.name}" for m in pkgutil.iter_modules(server.__path__)]
-    + ["minicpm_pcd_adapters.messages"]
+    + [
+        "minicpm_pcd_adapters.local_engine",
+        "minicpm_pcd_adapters.langchain.messages",
+        "minicpm_pcd_adapters.llama_index.messages",
+    ]
 )
 
 

@@ -1,7 +1,7 @@
 """LangChain: `ChatMiniCPM`, a chat model whose `with_structured_output(Schema)` runs the PCD engine.
 
 Plain chat (`invoke`, `stream`, `batch` and async forms) uses `PCDEngine.generate` / `stream`.
-`bind_tools` makes every call a tool decision (`engine.tools.call`, langchain_tools.py): the tool, or a
+`bind_tools` makes every call a tool decision (`engine.tools.call`, tools.py): the tool, or a
 text answer, scored with the candidate tools' closed arguments, so `create_agent` runs on the engine. A
 structured call binds the schema to the model (`bind(ls_structured_output_format=..., pcd_schema=...)`),
 so callbacks and tracing see it once per call; `_generate` then runs `engine.classify`: closed fields
@@ -34,29 +34,26 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import (
     Runnable,
 )
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
-from minicpm_pcd_adapters.langchain_structured import (
+from minicpm_pcd_adapters.langchain.messages import conversation_of
+from minicpm_pcd_adapters.langchain.structured import (
     PRECOMPUTED,
     SCHEMA_KEY,
     BatchedStructuredOutput,
     StructuredRequest,
     engine_schema,
     parsed_chain,
-    request_text,
 )
-from minicpm_pcd_adapters.langchain_tools import (
-    engine_messages,
+from minicpm_pcd_adapters.langchain.tools import (
     engine_tools,
-    message_role,
-    message_text,
     response_schema,
     tool_call_chunks,
     tool_message,
 )
-from minicpm_pcd_adapters.messages import SAMPLING_OPTIONS, decide_tools, sampling_for
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
-from pcd_engine import Calibration, PCDEngine, PCDError, PCDResult, output_type, require_closed
+from minicpm_pcd_adapters.local_engine import SAMPLING_OPTIONS, LocalEngine
+from minicpm_pcd_adapters.minicpm import MINICPM5_2B
+from pcd_engine import Conversation, PCDError, PCDResult, output_type, require_closed
 
 METHODS = ("json_schema", "function_calling", "json_mode", "pcd")
 TOOL_OPTIONS = frozenset(  # what bind_tools, create_agent and with_structured_output bind
@@ -71,37 +68,20 @@ TOOL_OPTIONS = frozenset(  # what bind_tools, create_agent and with_structured_o
 )
 
 
-class ChatMiniCPM(BaseChatModel):
+class ChatMiniCPM(LocalEngine, BaseChatModel):
     """A local chat model (MiniCPM5-2B by default) with PCD structured output.
 
-    `model` is a hub id (pinned `revision`), a local folder or a GGUF file (`gguf_file`); or pass
-    `engine`, an already loaded `PCDEngine`, so that several chat models share one model. Decoding is
-    greedy unless `temperature` > 0 (MiniCPM5 recommends temperature 1.0, top_p 0.95, min_p 0.0 for
-    sampled chat). `calibration` (from `engine.calibrate`, fitted with the same schema and system
-    message) and `abstain_below` apply to structured answers; the message's `response_metadata["pcd"]`
-    then says which fields abstained (`abstained_fields`, `needs_review`). `tool_calibration` (fitted
-    on `engine.tools.schema(tools, tool_choice)`) and `abstain_below` apply to tool decisions.
+    Configured as every adapter is (`LocalEngine`: `model`, `revision`, `gguf_file` or a loaded
+    `engine`, decoding defaults, `calibration`, `tool_calibration`, `abstain_below`); MiniCPM5
+    recommends temperature 1.0, top_p 0.95, min_p 0.0 for sampled chat. With `abstain_below`, the
+    message's `response_metadata["pcd"]` says which fields abstained (`abstained_fields`,
+    `needs_review`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     model: str = Field(default=MINICPM5_2B.hub_id, alias="model_name")
-    revision: str | None = None
-    gguf_file: str | None = None
-    engine: PCDEngine | None = Field(default=None, exclude=True)
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)  # PCDEngine options when loading
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    calibration: Calibration | None = Field(default=None, exclude=True)  # for the structured schema
-    abstain_below: float | None = None  # structured fields below this confidence: needs_review
-    tool_calibration: Calibration | None = Field(default=None, exclude=True)  # for bound tools
-
-    _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
     @property
     def _llm_type(self) -> str:
@@ -152,10 +132,9 @@ class ChatMiniCPM(BaseChatModel):
     ) -> int:
         """The prompt tokens of these messages as the chat template renders them (and the tools,
         where the template has a tool protocol)."""
-        rendered = [d["content"] for d in engine_messages(messages)]
-        pairs = [(message_role(m), text) for m, text in zip(messages, rendered, strict=True)]
+        conversation = conversation_of(messages)
         listed = [t.openai() for t in engine_tools(tools)] if tools else ()
-        return len(self.load().prompt.render_messages(pairs, tools=listed))
+        return len(self.load().prompt.render_conversation(conversation.system, conversation, listed))
 
     def bind_tools(
         self,
@@ -179,14 +158,6 @@ class ChatMiniCPM(BaseChatModel):
             bound["parallel_tool_calls"] = parallel_tool_calls
         return self.bind(**bound)
 
-    def load(self) -> PCDEngine:
-        """The engine, loaded on first use (thread-safe)."""
-        if self.engine is None:
-            self.engine = self._slot.load(
-                self.model, revision=self.revision, gguf_file=self.gguf_file, options=self.engine_kwargs
-            )
-        return self.engine
-
     # -- plain chat and structured calls -------------------------------------------------------
 
     def _generate(
@@ -199,7 +170,7 @@ class ChatMiniCPM(BaseChatModel):
         if _is_bound(kwargs):
             return ChatResult(generations=[ChatGeneration(message=self._bound(messages, stop, kwargs))])
         options = self._call_options(stop, kwargs)
-        result = self.load().generate(_chat_messages(messages), **options)
+        result = self.load().generate(conversation_of(messages), **options)
         message = AIMessage(
             content=result.text,
             usage_metadata=_usage(result.prompt_tokens, result.completion_tokens),
@@ -226,7 +197,7 @@ class ChatMiniCPM(BaseChatModel):
             yield ChatGenerationChunk(message=last)
             return
         options = self._call_options(stop, kwargs)
-        for piece in self.load().stream(_chat_messages(messages), **options):
+        for piece in self.load().stream(conversation_of(messages), **options):
             if piece.finish_reason is None:
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
                 if run_manager is not None:
@@ -256,7 +227,7 @@ class ChatMiniCPM(BaseChatModel):
         return {
             "max_tokens": kwargs.get("max_tokens", self.max_tokens),
             "stop": stop if stop is not None else self.stop,
-            "sampling": sampling_for(self, kwargs),
+            "sampling": self.sampling(kwargs),
         }
 
     def _bound(
@@ -269,14 +240,17 @@ class ChatMiniCPM(BaseChatModel):
         options = self._call_options(stop, kwargs)
         answer_format = kwargs.get("response_format")
         schema = response_schema(answer_format) if answer_format is not None else None
+        conversation = conversation_of(messages)
         if kwargs.get("tools"):
-            tools = engine_tools(kwargs["tools"])
-            result = decide_tools(self, engine_messages(messages), tools, kwargs.get("tool_choice"), options)
+            tools, choice = engine_tools(kwargs["tools"]), kwargs.get("tool_choice")
+            result = self.decide_tools(
+                conversation, tools, choice, options["max_tokens"], options["sampling"]
+            )
             if result.tool is not None or answer_format is None:
                 return tool_message(result, self.model)
         if schema is not None:  # the text answer is the object
             return self._structured(messages, {SCHEMA_KEY: schema})
-        generation = self.load().generate(_chat_messages(messages), json_object=True, **options)
+        generation = self.load().generate(conversation, json_object=True, **options)
         return AIMessage(  # {"type": "json_object"}: any JSON object
             content=generation.text,
             usage_metadata=_usage(generation.prompt_tokens, generation.completion_tokens),
@@ -285,34 +259,24 @@ class ChatMiniCPM(BaseChatModel):
 
     def _structured(self, messages: Sequence[BaseMessage], kwargs: Mapping[str, Any]) -> AIMessage:
         request = StructuredRequest(kwargs[SCHEMA_KEY], kwargs.get("pcd_method", "json_schema"))
-        instructions, text = request_text(messages)
+        conversation = conversation_of(messages)
         precomputed = PRECOMPUTED.get()  # set only inside a structured batch
-        found = precomputed.get(request.key(instructions, text)) if precomputed else None
+        found = precomputed.get(request.key(conversation)) if precomputed else None
         if found is None:
-            found = self._classify([(instructions, text)], request)[0]
+            found = self._classify([conversation], request)[0]
         return self._message(found)
 
     def _classify(
-        self, items: Sequence[tuple[str | None, str]], request: StructuredRequest
+        self, items: Sequence[Conversation], request: StructuredRequest
     ) -> list[PCDResult[Any] | PCDError]:
-        """Answer many (instructions, text) requests with one engine batch per distinct instructions."""
-        engine = self.load()
-        out: list[PCDResult[Any] | PCDError | None] = [None] * len(items)
-        for instructions in dict.fromkeys(i for i, _ in items):
-            indices = [n for n, (i, _) in enumerate(items) if i == instructions]
-            results = engine.classify_batch(
-                [items[n][1] for n in indices],
-                request.schema,
-                instructions=instructions,
-                allow_generation=request.method != "pcd",
-                sampling=sampling_for(self, {}),
-                calibration=self.calibration,
-                abstain_below=self.abstain_below,
-                return_exceptions=True,
-            )
-            for n, result in zip(indices, results, strict=True):
-                out[n] = result
-        return [r for r in out if r is not None]
+        """Answer many conversations with one engine batch (one plan per system text)."""
+        return self.load().classify_batch(
+            items,
+            request.schema,
+            allow_generation=request.method != "pcd",
+            return_exceptions=True,
+            **self.structured_options(),
+        )
 
     def _message(self, result: PCDResult[Any] | PCDError) -> AIMessage:
         if isinstance(result, PCDError):  # a failed answer reaches the parser as a parsing error
@@ -329,6 +293,7 @@ class ChatMiniCPM(BaseChatModel):
         d = result.diagnostics
         return AIMessage(
             content=json.dumps(answer["value"], ensure_ascii=False),
+            additional_kwargs={"parsed": result.value},  # the validated value: no second parse
             usage_metadata=_usage(d.prompt_tokens, d.generated_tokens),
             response_metadata={
                 "model_name": self.model,
@@ -382,10 +347,6 @@ class ChatMiniCPM(BaseChatModel):
 def _is_bound(kwargs: Mapping[str, Any]) -> bool:
     """Whether a call has tools, an answer format or a structured schema bound to it."""
     return bool(kwargs.get("tools")) or kwargs.get("response_format") is not None or SCHEMA_KEY in kwargs
-
-
-def _chat_messages(messages: Sequence[BaseMessage]) -> list[tuple[str, str]]:
-    return [(message_role(m), message_text(m)) for m in messages]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageMetadata:

@@ -17,9 +17,7 @@ from operator import itemgetter
 from typing import Any
 
 from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import LanguageModelInput
-from langchain_core.messages import BaseMessage, HumanMessage, convert_to_messages
-from langchain_core.prompt_values import PromptValue
+from langchain_core.messages import BaseMessage
 from langchain_core.runnables import (
     Runnable,
     RunnableBinding,
@@ -32,9 +30,8 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
-from minicpm_pcd_adapters.langchain_tools import message_role, message_text
-from minicpm_pcd_adapters.messages import structured_request
-from pcd_engine import PCDError, PCDResult
+from minicpm_pcd_adapters.langchain.messages import input_conversation
+from pcd_engine import Conversation, PCDError, PCDResult
 
 SCHEMA_KEY = "pcd_schema"  # bound kwargs of a structured call
 PRECOMPUTED: contextvars.ContextVar[dict[Any, PCDResult[Any] | PCDError] | None] = contextvars.ContextVar(
@@ -49,9 +46,9 @@ class StructuredRequest:
         self.schema = schema
         self.method = method
 
-    def key(self, instructions: str | None, text: str) -> tuple[Any, ...]:
+    def key(self, conversation: Conversation) -> tuple[Any, ...]:
         schema = json.dumps(self.schema, sort_keys=True) if isinstance(self.schema, dict) else self.schema
-        return (schema, self.method, instructions, text)
+        return (schema, self.method, conversation.key)
 
 
 class BatchedStructuredOutput(RunnableBinding):  # type: ignore[type-arg]
@@ -94,24 +91,11 @@ class BatchedStructuredOutput(RunnableBinding):  # type: ignore[type-arg]
         items = []
         for value in inputs:
             try:
-                items.append(request_text(input_messages(value)))
+                items.append(input_conversation(value))
             except (ValueError, TypeError):  # left to the per-input path, which raises it in place
                 continue
         results = self.chat_model._classify(items, self.request) if items else []
-        return {self.request.key(*item): result for item, result in zip(items, results, strict=True)}
-
-
-def input_messages(value: LanguageModelInput) -> list[BaseMessage]:
-    """The messages of a chat model's input (a prompt value, a string, or a list of messages)."""
-    if isinstance(value, PromptValue):
-        return value.to_messages()
-    if isinstance(value, str):
-        return [HumanMessage(content=value)]
-    if isinstance(value, Sequence):
-        return convert_to_messages(value)
-    raise ValueError(
-        f"Invalid input type {type(value)}. Must be a PromptValue, str, or list of BaseMessages."
-    )
+        return {self.request.key(item): result for item, result in zip(items, results, strict=True)}
 
 
 def engine_schema(schema: Any) -> Any:
@@ -123,9 +107,15 @@ def engine_schema(schema: Any) -> Any:
 
 
 def parse_structured(message: BaseMessage, schema: Any) -> Any:
+    """The answer as the schema's instance (or dict): the engine's own validated value where the
+    message carries it (`additional_kwargs["parsed"]`, as langchain-openai does), so that aliases
+    and serialization aliases need no second parse; else the content's JSON."""
     error = message.response_metadata.get("pcd_error")
     if error:
         raise OutputParserException(error, llm_output=str(message.content))
+    parsed = message.additional_kwargs.get("parsed")
+    if isinstance(schema, type) and isinstance(parsed, schema):
+        return parsed
     text = str(message.content)
     try:
         if isinstance(schema, type) and issubclass(schema, BaseModel):
@@ -135,10 +125,6 @@ def parse_structured(message: BaseMessage, schema: Any) -> Any:
         return json.loads(text)
     except Exception as parse_error:
         raise OutputParserException(str(parse_error), llm_output=text) from parse_error
-
-
-def request_text(messages: Sequence[BaseMessage]) -> tuple[str | None, str]:
-    return structured_request([(message_role(m), message_text(m)) for m in messages])
 
 
 def parsed_chain(llm: Runnable, schema: Any, include_raw: bool) -> Runnable:  # type: ignore[type-arg]

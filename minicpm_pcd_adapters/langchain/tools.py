@@ -2,10 +2,9 @@
 
 `engine_tools` turns LangChain's tool forms (BaseTool, functions, Pydantic classes, TypedDicts, OpenAI
 dicts) into the engine's tools, keeping a Pydantic argument class where there is one (so that a forced
-call answers exactly as `with_structured_output` would). `engine_messages` turns messages into the
-engine's role/content dicts: an AIMessage's `tool_calls` travel as calls, a ToolMessage as a `tool`
-turn. `tool_message` writes `engine.tools.call`'s answer as an AIMessage with `tool_calls` (ids
-included) and the decision's probabilities in `response_metadata["pcd"]`.
+call answers exactly as `with_structured_output` would). `tool_message` writes `engine.tools.call`'s
+answer as an AIMessage with `tool_calls` (the engine's call id) and the decision's probabilities in
+`response_metadata["pcd"]`. Messages become the engine's conversation in messages.py.
 
     >>> engine_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])[0].name
     'f'
@@ -14,20 +13,16 @@ included) and the decision's probabilities in `response_metadata["pcd"]`.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, ToolCallChunk, ToolMessage
+from langchain_core.messages import AIMessage, ToolCallChunk
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel
 
 from pcd_engine import Tool, ToolCallResult, as_tools
-
-ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
-IGNORED_BLOCKS = ("tool_use", "tool_call", "function_call", "reasoning", "thinking")  # said elsewhere
 
 
 def engine_tools(tools: Sequence[Any]) -> tuple[Tool, ...]:
@@ -47,45 +42,6 @@ def engine_tools(tools: Sequence[Any]) -> tuple[Tool, ...]:
     return as_tools(out)
 
 
-def message_text(message: BaseMessage) -> str:
-    """A message's text; blocks that restate its tool calls are skipped, other media refused."""
-    if isinstance(message.content, str):
-        return message.content
-    parts = []
-    for block in message.content:
-        if isinstance(block, str):
-            parts.append(block)
-        elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
-        elif isinstance(block, dict) and block.get("type") in IGNORED_BLOCKS:
-            continue
-        else:
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"ChatMiniCPM takes text only; got a {kind!r} content block")
-    return "".join(parts)
-
-
-def message_role(message: BaseMessage) -> str:
-    if isinstance(message, ChatMessage):
-        return message.role
-    if isinstance(message, ToolMessage):
-        return "tool"
-    return ROLES.get(message.type, "user")
-
-
-def engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """Role/content dicts; an AIMessage's tool calls as `tool_calls`, a failed tool's result marked."""
-    out = []
-    for m in messages:
-        entry: dict[str, Any] = {"role": message_role(m), "content": message_text(m)}
-        if isinstance(m, AIMessage) and m.tool_calls:
-            entry["tool_calls"] = [{"name": c["name"], "arguments": c["args"]} for c in m.tool_calls]
-        if isinstance(m, ToolMessage) and m.status == "error" and not entry["content"].startswith("Error"):
-            entry["content"] = "Error: " + entry["content"]
-        out.append(entry)
-    return out
-
-
 def tool_message(result: ToolCallResult, model_name: str, content: str | None = None) -> AIMessage:
     """The AIMessage of a tool decision: a tool call with an id, or the text answer (`content`
     overrides it: a structured answer to a `response_format`)."""
@@ -95,7 +51,7 @@ def tool_message(result: ToolCallResult, model_name: str, content: str | None = 
             {
                 "name": result.tool,
                 "args": result.arguments or {},
-                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "id": result.call_id,
                 "type": "tool_call",
             }
         )
@@ -111,14 +67,9 @@ def tool_message(result: ToolCallResult, model_name: str, content: str | None = 
         response_metadata={
             "model_name": model_name,
             "finish_reason": finish,
-            "pcd": {**result.to_json(), "probabilities": _keyed(result.probabilities)},
+            "pcd": result.to_json(),
         },
     )
-
-
-def _keyed(probabilities: Mapping[str | None, float]) -> dict[str, float]:
-    """Tool probabilities with JSON keys: the text answer as "" (no tool is named so)."""
-    return {name if name is not None else "": p for name, p in probabilities.items()}
 
 
 def response_schema(response_format: Any) -> Any:

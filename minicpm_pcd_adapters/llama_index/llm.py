@@ -1,16 +1,15 @@
-"""LlamaIndex: `MiniCPMLLM` (a FunctionCallingLLM) and `MiniCPMPCDProgram` (a Pydantic program) on the
-PCD engine.
+"""LlamaIndex: `MiniCPMLLM`, a FunctionCallingLLM on the PCD engine.
 
 Chat and completion calls use `PCDEngine.generate` / `stream`. Function calling (`chat_with_tools` and
 its async and streaming forms, `predict_and_call`, `FunctionCallingProgram`, `FunctionAgent`) runs
 `engine.tools.call`: the tool, or a text answer, scored with the candidate tools' closed arguments
-(llama_index_tools.py). A prompt that ends with a PydanticOutputParser's schema
+(tools.py). A prompt that ends with a PydanticOutputParser's schema
 (`LLMTextCompletionProgram`) is answered by `engine.classify` on that schema. Every structured path of
 LlamaIndex
 (`llm.structured_predict`, `astructured_predict`, `stream_structured_predict`, `as_structured_llm`,
 response synthesizers with `output_cls`, programs) reaches `MiniCPMPCDProgram`, which formats the
 prompt with LlamaIndex's own templates and answers with `engine.classify`: closed fields scored, open
-fields generated. The program keeps the last `PCDResult` (`last_result`) for per-field probabilities.
+fields generated (program.py). Messages become the engine's conversation in messages.py.
 
     >>> llm = MiniCPMLLM()  # MiniCPM5-2B at the pinned revision, loaded on first use  # doctest: +SKIP
     >>> llm.structured_predict(Ticket, PromptTemplate("{text}"), text="charged twice")  # doctest: +SKIP
@@ -41,66 +40,34 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation.events.llm import (
-    LLMStructuredPredictEndEvent,
     LLMStructuredPredictStartEvent,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
-from llama_index.core.llms.llm import LLM
-from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
-from llama_index.core.settings import Settings
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import ToolSelection
-from llama_index.core.types import BasePydanticProgram, Model
+from llama_index.core.types import Model
 
-from minicpm_pcd_adapters.llama_index_tools import (
-    engine_messages,
+from minicpm_pcd_adapters.llama_index.messages import conversation_of
+from minicpm_pcd_adapters.llama_index.program import MiniCPMPCDProgram, dispatcher, predicted
+from minicpm_pcd_adapters.llama_index.tools import (
     engine_tools,
     parser_schema,
     tool_response,
     tool_selections,
 )
-from minicpm_pcd_adapters.messages import decide_tools, sampling_for, structured_request
-from minicpm_pcd_adapters.minicpm import MINICPM5_2B, EngineSlot
-from pcd_engine import Calibration, PCDEngine, PCDResult, Sampling, require_closed
-
-dispatcher = get_dispatcher(__name__)
+from minicpm_pcd_adapters.local_engine import LocalEngine
 
 
-class MiniCPMLLM(FunctionCallingLLM):
+class MiniCPMLLM(LocalEngine, FunctionCallingLLM):
     """A local chat LLM (MiniCPM5-2B by default) whose structured output and tool calls run the PCD
-    engine.
-
-    `model` is a hub id (pinned `revision`), a local folder or a GGUF file (`gguf_file`); or pass
-    `engine`, an already loaded `PCDEngine`. Decoding is greedy unless `temperature` > 0. One tool
-    call per turn: the engine decides one tool, whatever `allow_parallel_tool_calls` says.
+    engine, configured as every adapter is (`LocalEngine`). One tool call per turn: the engine
+    decides one tool, whatever `allow_parallel_tool_calls` says.
     """
 
-    model: str = Field(default=MINICPM5_2B.hub_id, description="Hub id, local folder or model name.")
-    revision: str | None = Field(default=None)
-    gguf_file: str | None = Field(default=None)
-    engine: PCDEngine | None = Field(default=None, exclude=True)
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     context_window: int = Field(default=4096, description="Prompt tokens the engine accepts.")
-    max_tokens: int = Field(default=512, description="Tokens generated per chat/completion call.")
-    temperature: float = Field(default=0.0)
-    top_p: float = Field(default=1.0)
-    min_p: float = Field(default=0.0)
-    repetition_penalty: float = Field(default=1.0)
-    seed: int | None = Field(default=None, description="Seed for sampled decoding (temperature > 0).")
-    calibration: Calibration | None = Field(
-        default=None, exclude=True, description="Calibration (engine.calibrate) for structured answers."
-    )
-    abstain_below: float | None = Field(
-        default=None, description="Structured fields below this confidence are marked abstained."
-    )
-    tool_calibration: Calibration | None = Field(
-        default=None, exclude=True, description="Calibration (engine.tools.calibrate) of tool decisions."
-    )
-
-    _slot: EngineSlot = PrivateAttr(default_factory=EngineSlot)
 
     @classmethod
     def class_name(cls) -> str:
@@ -116,24 +83,13 @@ class MiniCPMLLM(FunctionCallingLLM):
             is_function_calling_model=True,
         )
 
-    def load(self) -> PCDEngine:
-        """The engine, loaded on first use (thread-safe)."""
-        if self.engine is None:
-            self.engine = self._slot.load(
-                self.model, revision=self.revision, gguf_file=self.gguf_file, options=self.engine_kwargs
-            )
-        return self.engine
-
-    def sampling(self, **overrides: Any) -> Sampling:
-        return sampling_for(self, overrides)
-
     # -- chat and completion -----------------------------------------------------------------
 
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {
             "max_tokens": kwargs.get("max_tokens", self.max_tokens),
             "stop": kwargs.get("stop"),
-            "sampling": self.sampling(**kwargs),
+            "sampling": self.sampling(kwargs),
         }
 
     @llm_chat_callback()
@@ -143,15 +99,14 @@ class MiniCPMLLM(FunctionCallingLLM):
         found = parser_schema(messages)
         if found is not None:  # LLMTextCompletionProgram: the parser's schema, answered by the engine
             asked, schema = found
-            instructions, text = structured_request(_pairs(asked))
-            answer = self.load().classify(text, schema, instructions=instructions, **self._structured(kwargs))
+            answer = self.load().classify(conversation_of(asked), schema, **self.structured_options(kwargs))
             content = json.dumps(answer.value, ensure_ascii=False)
             return ChatResponse(
                 message=ChatMessage(role=MessageRole.ASSISTANT, content=content),
                 raw={"pcd": answer.to_json()},
                 additional_kwargs={"pcd": answer.to_json()},
             )
-        result = self.load().generate(_pairs(messages), **self._options(kwargs))
+        result = self.load().generate(conversation_of(messages), **self._options(kwargs))
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
             raw={"finish_reason": result.finish_reason},
@@ -164,7 +119,7 @@ class MiniCPMLLM(FunctionCallingLLM):
             whole = self._tool_call(messages, kwargs)
             whole.delta = whole.message.content or ""
             return (response for response in [whole])
-        pieces = self.load().stream(_pairs(messages), **self._options(kwargs))
+        pieces = self.load().stream(conversation_of(messages), **self._options(kwargs))
 
         def gen() -> ChatResponseGen:
             text = ""
@@ -244,16 +199,11 @@ class MiniCPMLLM(FunctionCallingLLM):
 
     def _tool_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         options = self._options({k: v for k, v in kwargs.items() if k not in ("tools", "tool_choice")})
-        tools = engine_tools(kwargs["tools"])
-        result = decide_tools(self, engine_messages(messages), tools, kwargs.get("tool_choice"), options)
+        tools, choice = engine_tools(kwargs["tools"]), kwargs.get("tool_choice")
+        conversation = conversation_of(messages)
+        tokens, sampling = options["max_tokens"], options["sampling"]
+        result = self.decide_tools(conversation, tools, choice, tokens, sampling)
         return tool_response(result)
-
-    def _structured(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "sampling": self.sampling(**kwargs),
-            "calibration": self.calibration,
-            "abstain_below": self.abstain_below,
-        }
 
     # -- structured output: every path goes through MiniCPMPCDProgram ------------------------
 
@@ -266,7 +216,7 @@ class MiniCPMLLM(FunctionCallingLLM):
         **prompt_args: Any,
     ) -> Model:
         program = self._predict_program(output_cls, prompt, prompt_args)
-        return _predicted(program(llm_kwargs=llm_kwargs, **prompt_args))
+        return predicted(program(llm_kwargs=llm_kwargs, **prompt_args))
 
     @dispatcher.span
     async def astructured_predict(
@@ -277,7 +227,7 @@ class MiniCPMLLM(FunctionCallingLLM):
         **prompt_args: Any,
     ) -> Model:
         program = self._predict_program(output_cls, prompt, prompt_args)
-        return _predicted(await program.acall(llm_kwargs=llm_kwargs, **prompt_args))
+        return predicted(await program.acall(llm_kwargs=llm_kwargs, **prompt_args))
 
     def _predict_program(
         self, output_cls: type[Model], prompt: PromptTemplate, prompt_args: dict[str, Any]
@@ -308,117 +258,6 @@ class MiniCPMLLM(FunctionCallingLLM):
         return await program.astream_call(llm_kwargs=llm_kwargs, **prompt_args)
 
 
-class MiniCPMPCDProgram(BasePydanticProgram[Model]):
-    """A Pydantic program answered by the PCD engine: closed fields scored, open fields generated.
-
-    `program(**prompt_args)` returns the validated object; `program.classify(**prompt_args)` the whole
-    `PCDResult` (per-field probabilities, diagnostics); `last_result` keeps the latest one.
-    `allow_generation=False` refuses open fields (UnsupportedSchemaError before any model work).
-    """
-
-    def __init__(
-        self,
-        output_cls: type[Model],
-        prompt: BasePromptTemplate,
-        llm: MiniCPMLLM,
-        allow_generation: bool | None = None,
-        verbose: bool = False,
-    ) -> None:
-        if not isinstance(llm, MiniCPMLLM):
-            raise TypeError(f"MiniCPMPCDProgram needs a MiniCPMLLM, got {type(llm).__name__}")
-        if allow_generation is False:  # refuse open fields now, before any model work
-            require_closed(output_cls, llm.engine.limits if llm.engine is not None else None)
-        self._output_cls = output_cls
-        self._prompt = prompt
-        self._llm = llm
-        self._allow_generation = allow_generation
-        self._verbose = verbose
-        self.last_result: PCDResult[Model] | None = None
-
-    @classmethod
-    def from_defaults(
-        cls,
-        output_cls: type[Model],
-        prompt_template_str: str | None = None,
-        prompt: BasePromptTemplate | None = None,
-        llm: LLM | None = None,
-        allow_generation: bool | None = None,
-        verbose: bool = False,
-        **kwargs: Any,
-    ) -> MiniCPMPCDProgram[Model]:
-        if (prompt is None) == (prompt_template_str is None):
-            raise ValueError("Must provide either prompt or prompt_template_str.")
-        configured = Settings._llm  # not Settings.llm: that would build LlamaIndex's OpenAI default
-        chosen = llm or (configured if isinstance(configured, MiniCPMLLM) else MiniCPMLLM())
-        template = prompt if prompt is not None else PromptTemplate(str(prompt_template_str))
-        return cls(output_cls, template, chosen, allow_generation, verbose)  # type: ignore[arg-type]
-
-    @property
-    def output_cls(self) -> type[Model]:
-        return self._output_cls
-
-    @property
-    def prompt(self) -> BasePromptTemplate:
-        return self._prompt
-
-    @prompt.setter
-    def prompt(self, prompt: BasePromptTemplate) -> None:
-        self._prompt = prompt
-
-    def classify(self, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> PCDResult[Model]:
-        """Format the prompt with LlamaIndex's template and answer it; the whole PCDResult."""
-        messages = self._llm._extend_messages(self._prompt.format_messages(llm=self._llm, **prompt_args))
-        instructions, text = structured_request(_pairs(messages))
-        result = self._llm.load().classify(
-            text,
-            self._output_cls,
-            instructions=instructions,
-            allow_generation=self._allow_generation,
-            **self._llm._structured(llm_kwargs or {}),
-        )
-        self.last_result = result
-        if self._verbose:
-            print(f"> PCD answer: {result.to_json()}")
-        return result
-
-    @dispatcher.span
-    def __call__(self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Model:
-        return self.classify(llm_kwargs, **kwargs).value
-
-    @dispatcher.span
-    async def acall(self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Model:
-        return (await asyncio.to_thread(self.classify, llm_kwargs, **kwargs)).value
-
-    def stream_call(
-        self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any
-    ) -> Generator[Model, None, None]:
-        """Yields the final object (an object exists only once every field is decided)."""
-        yield self(llm_kwargs, **kwargs)
-
-    async def astream_call(
-        self, llm_kwargs: dict[str, Any] | None = None, *args: Any, **kwargs: Any
-    ) -> AsyncGenerator[Model, None]:
-        async def gen() -> AsyncGenerator[Model, None]:
-            yield await self.acall(llm_kwargs, **kwargs)
-
-        return gen()
-
-
-def _predicted(value: Model) -> Model:
-    """A structured-predict call's answer, once its end event is sent."""
-    dispatcher.event(LLMStructuredPredictEndEvent(output=value))
-    return value
-
-
-def _pairs(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
-    out = []
-    for message in messages:
-        role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-        role = {"chatbot": "assistant", "model": "assistant", "developer": "system"}.get(role, role)
-        out.append((role, message.content or ""))
-    return out
-
-
 def _usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
 
@@ -437,4 +276,6 @@ def _in_thread(items: Generator[Any, None, None]) -> AsyncGenerator[Any, None]:
     return gen()
 
 
-__all__ = ["MiniCPMLLM", "MiniCPMPCDProgram"]
+MiniCPMPCDProgram.default_llm = MiniCPMLLM
+
+__all__ = ["MiniCPMLLM"]

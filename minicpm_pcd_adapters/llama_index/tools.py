@@ -1,9 +1,7 @@
 """LlamaIndex function calling on the engine: what `MiniCPMLLM.chat_with_tools` sends and answers.
 
 `engine_tools` turns LlamaIndex tools into the engine's (a tool's `fn_schema` class validates its
-arguments); `engine_messages` turns ChatMessages into role/content dicts, an assistant's tool calls
-(`ToolCallBlock`s, or OpenAI-style `additional_kwargs["tool_calls"]`) as calls and `tool` messages as
-tool turns; `tool_response` writes `engine.tools.call`'s answer as a ChatResponse whose message holds
+arguments); `tool_response` writes `engine.tools.call`'s answer as a ChatResponse whose message holds
 a `ToolCallBlock` per call and whose `raw["pcd"]` and `additional_kwargs["pcd"]` hold the decision's
 probabilities. `parser_schema` finds the JSON schema a `PydanticOutputParser` appended to a prompt
 (what `LLMTextCompletionProgram` sends), so that the engine answers it.
@@ -15,7 +13,6 @@ probabilities. `parser_schema` finds the JSON schema a `PydanticOutputParser` ap
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +29,6 @@ from pydantic import BaseModel
 
 from pcd_engine import Tool, ToolCallResult, as_tools
 
-ROLES = {"chatbot": "assistant", "model": "assistant", "developer": "system"}
 _BEFORE, _AFTER = PYDANTIC_FORMAT_TMPL.split("{schema}")
 
 
@@ -47,37 +43,15 @@ def engine_tools(tools: Sequence[Any]) -> tuple[Tool, ...]:
     return as_tools(out)
 
 
-def role(message: ChatMessage) -> str:
-    name = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-    return ROLES.get(name, name)
-
-
-def engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Role/content dicts; an assistant's tool calls as `tool_calls`."""
-    out = []
-    for message in messages:
-        entry: dict[str, Any] = {"role": role(message), "content": message.content or ""}
-        calls = [
-            {"name": b.tool_name, "arguments": b.tool_kwargs}
-            for b in message.blocks
-            if isinstance(b, ToolCallBlock)
-        ]
-        calls += list(message.additional_kwargs.get("tool_calls") or []) if not calls else []
-        if calls:
-            entry["tool_calls"] = calls
-        out.append(entry)
-    return out
-
-
 def tool_response(result: ToolCallResult) -> ChatResponse:
     """The ChatResponse of a tool decision: a ToolCallBlock (with an id) or the text answer."""
     blocks: list[Any] = [TextBlock(text=result.text)] if result.text else []
     if result.tool is not None:
-        call_id = f"call_{uuid.uuid4().hex[:24]}"
         arguments = result.arguments or {}
-        blocks.append(ToolCallBlock(tool_call_id=call_id, tool_name=result.tool, tool_kwargs=arguments))
+        blocks.append(
+            ToolCallBlock(tool_call_id=result.call_id, tool_name=result.tool, tool_kwargs=arguments)
+        )
     pcd = result.to_json()
-    pcd["probabilities"] = {name if name is not None else "": p for name, p in result.probabilities.items()}
     return ChatResponse(
         message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks),
         raw={"finish_reason": result.finish_reason, "pcd": pcd},
