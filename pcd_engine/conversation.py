@@ -126,22 +126,22 @@ class Conversation:
     @property
     def text(self) -> str:
         """The fallback rendering as one text: one user message as it is, a longer conversation as
-        "Role: content" paragraphs (calls and results in `call_text` / `result_text`'s words)."""
+        "Role: content" paragraphs (`plain_turns`)."""
         if self.user_text is not None:
             return self.user_text
         return "\n\n".join(f"{role.title()}: {content}" for role, content in self.plain_turns())
 
-    def plain_turns(self) -> list[tuple[str, str]]:
-        """(role, content) pairs for a template without a tool protocol: an assistant's calls
-        written after its content (`call_text`), a tool result as a user turn (`result_text`)."""
+    def plain_turns(self, result_role: str = "tool") -> list[tuple[str, str]]:
+        """(role, content) pairs for a template without a tool protocol: an assistant's calls are
+        left out (its words, if any, stay), each tool result is a turn of `result_role` holding the
+        result as it is ("user": in `result_text`'s words). Chosen on the dev data
+        (benchmarks/agents.py): on SmolLM2, no text answer wrote the call again, and half used the
+        result, against every one writing the call again when calls were rendered as JSON."""
         out = []
         for turn in self.turns:
             if turn.role == "tool":
-                out.append(("user", result_text(turn)))
-            elif turn.calls:
-                written = [call_text(c) for c in turn.calls]
-                out.append((turn.role, "\n".join([turn.content, *written] if turn.content else written)))
-            else:
+                out.append((result_role, turn.content if result_role == "tool" else result_text(turn)))
+            elif turn.content or not turn.calls:
                 out.append((turn.role, turn.content))
         return out
 
@@ -163,20 +163,12 @@ class Conversation:
         return f"Conversation({len(self.turns)} turns, system={self.system!r:.40})"
 
 
-# How an earlier call and a tool's result read on a template without a tool protocol (chosen on the
-# dev data: benchmarks/agents.py, docs/tools.md). Said as what happened, not as the answer's JSON,
-# so that a text answer reads the result instead of writing the call again.
-CALL_WORDING = "(I called the tool {name} with {arguments}.)"
+# A tool's result as a user turn, for a template without a tool protocol that rejects the `tool` role.
 RESULT_WORDING = "The tool {name} returned:\n{content}"
 
 
-def call_text(call: Call) -> str:
-    """An earlier call in words (templates without a tool protocol)."""
-    return CALL_WORDING.format(name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False))
-
-
 def result_text(turn: Turn) -> str:
-    """A tool's result in words (templates without a tool protocol)."""
+    """A tool's result in words (a user turn, where the template has no `tool` role)."""
     return RESULT_WORDING.format(name=turn.name or "tool", content=turn.content)
 
 

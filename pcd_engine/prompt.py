@@ -197,14 +197,15 @@ class ChatPrompt:
     ) -> list[int]:
         """The one rendering of a conversation, followed by the assistant start. On a template with a
         tool protocol, earlier calls and their results go in the template's own fields (`tool_calls`,
-        the `tool` role); elsewhere in words (`Conversation.plain_turns`: a call said as made, a
-        result as a user turn), so that a text answer reads the result rather than writing the call
-        again."""
+        the `tool` role); elsewhere the calls are left out and the results are `tool` turns (a user
+        turn in words where the template rejects that role): `Conversation.plain_turns`, chosen so
+        that a text answer reads the result rather than writing the call again."""
         if not getattr(self.tokenizer, "chat_template", None):
             pairs = [("system", system)] if system else []
-            return self.render_messages([*pairs, *conversation.plain_turns()])
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+            return self.render_messages([*pairs, *conversation.plain_turns("user")])
+        head: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         if self.supports_tools:
+            messages = []
             for index, turn in enumerate(conversation.turns):
                 message: dict[str, Any] = {"role": turn.role, "content": turn.content}
                 if turn.calls:
@@ -212,9 +213,17 @@ class ChatPrompt:
                 if turn.role == "tool":
                     message.update(tool_call_id=turn.call_id, name=turn.name)
                 messages.append(message)
-        else:
-            messages += [{"role": r, "content": c} for r, c in conversation.plain_turns()]
-        return self._render(messages, tools=tools)
+            return self._render([*head, *messages], tools=tools)
+        plain = [{"role": r, "content": c} for r, c in conversation.plain_turns()]
+        try:
+            return self._render([*head, *plain], tools=tools)
+        except InputError:
+            raise
+        except Exception:  # a template that rejects the `tool` role: the results as user turns
+            if not any(t.role == "tool" for t in conversation.turns):
+                raise
+            users = [{"role": r, "content": c} for r, c in conversation.plain_turns("user")]
+            return self._render([*head, *users], tools=tools)
 
     def _checked_call(self, call: Any, index: int) -> dict[str, Any]:
         """A call as the template reads it; its name and arguments are rendered by the template, so

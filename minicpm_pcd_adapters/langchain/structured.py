@@ -114,7 +114,7 @@ def parse_structured(message: BaseMessage, schema: Any) -> Any:
     if error:
         raise OutputParserException(error, llm_output=str(message.content))
     parsed = message.additional_kwargs.get("parsed")
-    if isinstance(schema, type) and isinstance(parsed, schema):
+    if isinstance(schema, type) and is_basemodel_subclass(schema) and isinstance(parsed, schema):
         return parsed
     text = str(message.content)
     try:

@@ -331,7 +331,7 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine` (run it with uvicorn)."""
     settings.check()
     calibrations = Calibrations(engine, settings.calibrations)  # a mismatch fails before serving
-    metrics = ServerMetrics(queue_depth=lambda: batcher.depth)
+    metrics = ServerMetrics(queue_depth=lambda: batcher.depth, cache_sizes=engine.cache_sizes)
     batcher = Batcher(
         ClassifyRunner(engine, calibrations),
         window_s=settings.batch_window_ms / 1000,

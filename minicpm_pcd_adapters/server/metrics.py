@@ -2,17 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CacheSizes = Callable[[], dict[str, tuple[int, int]]]
+
+
+class CacheCollector(Collector):
+    """`pcd_cache_size` and `pcd_cache_limit` per cache keyed by what clients send (entries, or
+    bytes for the prefix cache and the compiled grammars), read when /metrics is scraped."""
+
+    def __init__(self, sizes: CacheSizes) -> None:
+        self.sizes = sizes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        size = GaugeMetricFamily("pcd_cache_size", "What a cache holds (entries or bytes)", labels=["cache"])
+        limit = GaugeMetricFamily(
+            "pcd_cache_limit", "The bound of a cache (entries or bytes)", labels=["cache"]
+        )
+        for name, (held, bound) in self.sizes().items():
+            size.add_metric([name], held)
+            limit.add_metric([name], bound)
+        yield size
+        yield limit
 
 
 class ServerMetrics:
     """Prometheus metrics in a registry of the app's own (several apps can live in one process)."""
 
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], cache_sizes: CacheSizes | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if cache_sizes is not None:
+            r.register(CacheCollector(cache_sizes))
         self.requests = Counter(
             "pcd_requests", "Chat completion requests answered", ["kind", "status"], registry=r
         )
