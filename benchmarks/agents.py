@@ -13,8 +13,10 @@ writes it. Renderings compared (the engine's `Conversation.plain_turns`, patched
     that names the tool;
   - checking-user, checking-raw-user: the call as "One moment, I am checking that for you.", the
     result as a user turn, after "Result of the check:" or alone;
-  - default (the engine's, chosen from these runs): the call left out (the assistant's words kept),
-    the result as it is in the template's `tool` role.
+  - results-only: the call left out (the assistant's words kept), the result as it is in the
+    template's `tool` role, before the decision and before the text answer alike;
+  - default (the engine's, chosen from these runs): results-only before the text answer, but the
+    call as the decision's JSON before the decision (the decision sees the call it made).
 Reported per rendering: the share of decisions that answer in text, of text answers that repeat the
 call (its name, its argument's key or a JSON object), and of text answers that use the result's
 content (its case number or its promise).
@@ -75,10 +77,12 @@ def call_text(call: Call) -> str:
     return f"(I called the tool {call.name} with {json.dumps(call.arguments)}.)"
 
 
-Rendering = Callable[[Conversation, str], list[tuple[str, str]]]
+Rendering = Callable[..., list[tuple[str, str]]]
 
 
-def json_tool(self: Conversation, result_role: str = "tool") -> list[tuple[str, str]]:
+def json_tool(
+    self: Conversation, result_role: str = "tool", calls_as: str | None = None
+) -> list[tuple[str, str]]:
     """Before: the call as the decision's JSON in the assistant's turn, the result in `tool`."""
     out = []
     for turn in self.turns:
@@ -90,7 +94,9 @@ def json_tool(self: Conversation, result_role: str = "tool") -> list[tuple[str, 
     return out
 
 
-def words_user(self: Conversation, result_role: str = "tool") -> list[tuple[str, str]]:
+def words_user(
+    self: Conversation, result_role: str = "tool", calls_as: str | None = None
+) -> list[tuple[str, str]]:
     """The call said in words, the result a user turn that names the tool."""
     out = []
     for turn in self.turns:
@@ -106,7 +112,9 @@ def words_user(self: Conversation, result_role: str = "tool") -> list[tuple[str,
 def checking(lead: str) -> Rendering:
     """The call as an assistant's "checking" sentence (no name), the result a user turn after `lead`."""
 
-    def render(self: Conversation, result_role: str = "tool") -> list[tuple[str, str]]:
+    def render(
+        self: Conversation, result_role: str = "tool", calls_as: str | None = None
+    ) -> list[tuple[str, str]]:
         out = []
         for turn in self.turns:
             if turn.role == "tool":
@@ -120,12 +128,21 @@ def checking(lead: str) -> Rendering:
     return render
 
 
+def results_only(
+    self: Conversation, result_role: str = "tool", calls_as: str | None = None
+) -> list[tuple[str, str]]:
+    """The calls left out before the decision too (the results as `tool` turns)."""
+    return ENGINE_RENDERING(self, result_role, None)
+
+
+ENGINE_RENDERING = Conversation.plain_turns
 RENDERINGS: dict[str, Rendering | None] = {
     "json-tool": json_tool,
     "words-user": words_user,
     "checking-user": checking("Result of the check:\n"),
     "checking-raw-user": checking(""),
-    "default": None,  # the engine's own: calls left out, results as `tool` turns
+    "results-only": results_only,
+    "default": None,  # the engine's own: the call as JSON before the decision, left out before text
 }
 
 

@@ -54,7 +54,8 @@ def test_instructor_tools_mode_gets_the_forced_calls_object(url, engine):
         model="smollm2", response_model=Ticket, messages=[{"role": "user", "content": TEXT}], max_retries=0
     )
     (call,) = raw.choices[0].message.tool_calls
-    assert call.function.name == "Ticket" and ticket == Ticket.model_validate_json(call.function.arguments)
+    assert call.function.name == "Ticket"  # instructor answers an instance of its own Ticket subclass
+    assert ticket.model_dump() == Ticket.model_validate_json(call.function.arguments).model_dump()
     pcd = raw.choices[0].model_extra["pcd"]
     assert pcd["call_id"] == call.id and set(pcd["arguments"]) == {"topic", "refund_requested"}
     assert pcd["arguments"]["topic"]["value"] == ticket.topic
@@ -67,9 +68,9 @@ def test_instructor_json_schema_mode_equals_the_in_process_engine(url, engine):
     ticket, raw = client.chat.completions.create_with_completion(
         model="smollm2", response_model=Ticket, messages=[{"role": "user", "content": TEXT}], max_retries=0
     )
-    assert ticket == Ticket.model_validate_json(raw.choices[0].message.content)
+    assert ticket.model_dump() == Ticket.model_validate_json(raw.choices[0].message.content).model_dump()
     reference = engine.classify(TEXT, Ticket)
-    assert ticket == reference.value
+    assert ticket.model_dump() == reference.value.model_dump()
     fields = raw.choices[0].model_extra["pcd"]["fields"]
     assert fields["topic"]["probabilities"] == pytest.approx(
         reference.fields["topic"].probabilities, abs=1e-4
