@@ -13,10 +13,9 @@ writes it. Renderings compared (the engine's `Conversation.plain_turns`, patched
     that names the tool;
   - checking-user, checking-raw-user: the call as "One moment, I am checking that for you.", the
     result as a user turn, after "Result of the check:" or alone;
-  - results-only: the call left out (the assistant's words kept), the result as it is in the
-    template's `tool` role, before the decision and before the text answer alike;
-  - default (the engine's, chosen from these runs): results-only before the text answer, but the
-    call as the decision's JSON before the decision (the decision sees the call it made).
+  - json-decision: json-tool before the decision, the default before the text answer;
+  - default (the engine's, chosen from these runs): the call left out (the assistant's words kept),
+    the result as it is in the template's `tool` role, before the decision and the text alike.
 Reported per rendering: the share of decisions that answer in text, of text answers that repeat the
 call (its name, its argument's key or a JSON object), and of text answers that use the result's
 content (its case number or its promise).
@@ -128,21 +127,22 @@ def checking(lead: str) -> Rendering:
     return render
 
 
-def results_only(
-    self: Conversation, result_role: str = "tool", calls_as: str | None = None
-) -> list[tuple[str, str]]:
-    """The calls left out before the decision too (the results as `tool` turns)."""
-    return ENGINE_RENDERING(self, result_role, None)
+def json_decision(self: Conversation, result_role: str = "tool") -> list[tuple[str, str]]:
+    """Before the decision the call as the decision's JSON (what json-tool does), before the text
+    answer the engine's own rendering (the call left out): `run` clears the flag while the text is
+    generated."""
+    return json_tool(self) if DECISION_PASS[0] else ENGINE_RENDERING(self, result_role)
 
 
 ENGINE_RENDERING = Conversation.plain_turns
+DECISION_PASS = [True]
 RENDERINGS: dict[str, Rendering | None] = {
     "json-tool": json_tool,
     "words-user": words_user,
     "checking-user": checking("Result of the check:\n"),
     "checking-raw-user": checking(""),
-    "results-only": results_only,
-    "default": None,  # the engine's own: the call as JSON before the decision, left out before text
+    "json-decision": json_decision,
+    "default": None,  # the engine's own: the call left out, the result as it is in the `tool` role
 }
 
 
@@ -153,9 +153,18 @@ def repeats_the_call(text: str) -> bool:
 def run(engine: Any, rows: list[dict[str, Any]], rendering: str, max_tokens: int) -> dict[str, Any]:
     categories = sorted({r["labels"]["category"] for r in rows})
     tools = [tool(categories)]
-    original = Conversation.plain_turns
+    original, generate = Conversation.plain_turns, engine.generate
     Conversation.plain_turns = RENDERINGS[rendering] or original  # type: ignore[method-assign]
     engine.clear_caches()
+
+    def text_answer(*args: Any, **kwargs: Any) -> Any:
+        DECISION_PASS[0] = False
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            DECISION_PASS[0] = True
+
+    engine.generate = text_answer
     try:
         texts, repeated, used, started = 0, 0, 0, time.perf_counter()
         for number, row in enumerate(rows, 1000):
@@ -169,6 +178,7 @@ def run(engine: Any, rows: list[dict[str, Any]], rendering: str, max_tokens: int
         seconds = time.perf_counter() - started
     finally:
         Conversation.plain_turns = original  # type: ignore[method-assign]
+        del engine.generate
     n = len(rows)
     return {
         "rendering": rendering,

@@ -131,20 +131,16 @@ class Conversation:
             return self.user_text
         return "\n\n".join(f"{role.title()}: {content}" for role, content in self.plain_turns())
 
-    def plain_turns(self, result_role: str = "tool", calls_as: str | None = None) -> list[tuple[str, str]]:
-        """(role, content) pairs for a template without a tool protocol: each tool result is a turn
-        of `result_role` holding the result as it is ("user": in `result_text`'s words); an
-        assistant's calls are left out (its words stay), or with `calls_as` (a tool decision's key)
-        written after its words as the decision's branches write one (`call_json`). Chosen on the
-        dev data (benchmarks/agents.py, docs/tools.md): the decision sees the call it made, and a
-        text answer, which reads no call, does not write it again."""
+    def plain_turns(self, result_role: str = "tool") -> list[tuple[str, str]]:
+        """(role, content) pairs for a template without a tool protocol: an assistant's calls are
+        left out (its words, if any, stay), each tool result is a turn of `result_role` holding the
+        result as it is ("user": in `result_text`'s words). Chosen on the dev data
+        (benchmarks/agents.py): on SmolLM2, no text answer wrote the call again, and half used the
+        result, against every one writing the call again when calls were rendered as JSON."""
         out = []
         for turn in self.turns:
             if turn.role == "tool":
                 out.append((result_role, turn.content if result_role == "tool" else result_text(turn)))
-            elif turn.calls and calls_as is not None:
-                written = [call_json(calls_as, c) for c in turn.calls]
-                out.append((turn.role, "\n".join([turn.content, *written] if turn.content else written)))
             elif turn.content or not turn.calls:
                 out.append((turn.role, turn.content))
         return out
@@ -169,11 +165,6 @@ class Conversation:
 
 # A tool's result as a user turn, for a template without a tool protocol that rejects the `tool` role.
 RESULT_WORDING = "The tool {name} returned:\n{content}"
-
-
-def call_json(key: str, call: Call) -> str:
-    """An earlier call as a tool decision's branches write one: `{"tool": name, name: {arguments}}`."""
-    return json.dumps({key: call.name, call.name: call.arguments}, ensure_ascii=False)
 
 
 def result_text(turn: Turn) -> str:

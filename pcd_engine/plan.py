@@ -67,7 +67,6 @@ class SchemaPlan:
     wording: str = "json"  # how branches write a value (layout.WORDINGS)
     tools: tuple[dict[str, Any], ...] = ()  # tool definitions the template renders in the head
     layout: str = "chat"  # the prompt layout (prompt.LAYOUTS): a raw prompt's plan has no system text
-    calls_as: str | None = None  # a tool decision's key: earlier calls written as its branches write one
 
     @cached_property
     def fingerprint(self) -> str:
@@ -213,8 +212,7 @@ def build_plan(
     else:
         head, tools = prompt.render_head(system, examples), ()
     decisions = _shortlisted(plans, policy)
-    calls_as = getattr(compiled.schema, "pcd_decision_key", None)
-    return SchemaPlan(compiled, system, head, decisions, schema, examples, wording, tools, calls_as=calls_as)
+    return SchemaPlan(compiled, system, head, decisions, schema, examples, wording, tools)
 
 
 def _raw_plan(

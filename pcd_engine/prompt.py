@@ -193,22 +193,16 @@ class ChatPrompt:
         return self._render([{"role": r, "content": c} for r, c in messages], until_last, tools)
 
     def render_conversation(
-        self,
-        system: str | None,
-        conversation: Conversation,
-        tools: Sequence[Mapping[str, Any]] = (),
-        calls_as: str | None = None,
+        self, system: str | None, conversation: Conversation, tools: Sequence[Mapping[str, Any]] = ()
     ) -> list[int]:
         """The one rendering of a conversation, followed by the assistant start. On a template with a
         tool protocol, earlier calls and their results go in the template's own fields (`tool_calls`,
-        the `tool` role); elsewhere the results are `tool` turns (a user turn in words where the
-        template rejects that role) and the calls are left out, or, before a tool decision
-        (`calls_as`, its key), written as its branches write one: `Conversation.plain_turns`, chosen
-        so that the decision sees the call it made and a text answer reads the result rather than
-        writing the call again."""
+        the `tool` role); elsewhere the calls are left out and the results are `tool` turns (a user
+        turn in words where the template rejects that role): `Conversation.plain_turns`, chosen so
+        that a text answer reads the result rather than writing the call again."""
         if not getattr(self.tokenizer, "chat_template", None):
             pairs = [("system", system)] if system else []
-            return self.render_messages([*pairs, *conversation.plain_turns("user", calls_as)])
+            return self.render_messages([*pairs, *conversation.plain_turns("user")])
         head: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         if self.supports_tools:
             messages = []
@@ -220,7 +214,7 @@ class ChatPrompt:
                     message.update(tool_call_id=turn.call_id, name=turn.name)
                 messages.append(message)
             return self._render([*head, *messages], tools=tools)
-        plain = [{"role": r, "content": c} for r, c in conversation.plain_turns("tool", calls_as)]
+        plain = [{"role": r, "content": c} for r, c in conversation.plain_turns()]
         try:
             return self._render([*head, *plain], tools=tools)
         except InputError:
@@ -228,7 +222,7 @@ class ChatPrompt:
         except Exception:  # a template that rejects the `tool` role: the results as user turns
             if not any(t.role == "tool" for t in conversation.turns):
                 raise
-            users = [{"role": r, "content": c} for r, c in conversation.plain_turns("user", calls_as)]
+            users = [{"role": r, "content": c} for r, c in conversation.plain_turns("user")]
             return self._render([*head, *users], tools=tools)
 
     def _checked_call(self, call: Any, index: int) -> dict[str, Any]:
@@ -278,7 +272,6 @@ class ChatPrompt:
         system: str,
         conversation: Conversation,
         tools: Sequence[Mapping[str, Any]] = (),
-        calls_as: str | None = None,
     ) -> PromptIds:
         """A conversation's prompt on a rendered head. One user turn is rendered exactly as a plain
         string; a longer conversation as its turns after the system text (`render_conversation`),
@@ -289,7 +282,7 @@ class ChatPrompt:
             return self.with_head(head, conversation.user_text)
         if self.frame.name == "turn" and getattr(self.tokenizer, "chat_template", None):
             try:
-                ids = self.render_conversation(system, conversation, tools, calls_as)
+                ids = self.render_conversation(system, conversation, tools)
             except InputError:
                 raise
             except Exception:  # a template that rejects a role (e.g. `tool`) or the turn order

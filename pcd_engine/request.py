@@ -101,7 +101,7 @@ class Request:
         if raw is not None:
             ids = prompt.raw(plan.head, text)
         elif conversation is not None:
-            ids = prompt.with_conversation(plan.head, plan.system, conversation, plan.tools, plan.calls_as)
+            ids = prompt.with_conversation(plan.head, plan.system, conversation, plan.tools)
         else:
             ids = prompt.with_head(plan.head, text)
         if len(ids) > limits.max_prompt_tokens:

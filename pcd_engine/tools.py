@@ -157,12 +157,9 @@ class ToolArguments:
 
 
 class ToolDecision(BaseModel):
-    """Base of the decision models: they carry their tools for templates with a tool protocol, and
-    their decision's JSON key, in whose wording earlier calls are written before the decision
-    (`Conversation.plain_turns(calls_as=...)`)."""
+    """Base of the decision models: they carry their tools for templates with a tool protocol."""
 
     pcd_tools: ClassVar[tuple[dict[str, Any], ...]] = ()
-    pcd_decision_key: ClassVar[str] = "tool"
 
 
 @dataclass(frozen=True)
@@ -229,7 +226,6 @@ def build_tool_plan(tools: Sequence[Tool], choice: ToolChoice, in_template: bool
     doc = None if in_template else "Tools:\n" + "\n".join(_tool_line(t) for t in allowed)
     schema = create_model("ToolCall", __base__=ToolDecision, __doc__=doc, **fields)
     schema.pcd_tools = tuple(t.openai() for t in allowed)
-    schema.pcd_decision_key = key
     instructions = INSTRUCTIONS.format(listed=listed, or_text=or_text)
     return ToolPlan(tuple(tools), choice, key, schema, arguments, instructions, text)
 
