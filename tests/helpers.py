@@ -251,6 +251,9 @@ def smollm2_engine():
     return PCDEngine(model, tokenizer, limits=Limits(max_string_length=48))
 
 
+KEY = "sk-local-test"  # the API key of the SmolLM2 servers the tests start
+
+
 @contextlib.contextmanager
 def served(app) -> Iterator[str]:
     """Run an ASGI app with uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL and

@@ -1,11 +1,29 @@
-"""`engine` under smollm2/: the PCDEngine on SmolLM2-135M-Instruct that the adapter and client tests
-share (loaded once per session; free text capped, since SmolLM2 loops when greedy)."""
+"""Under smollm2/: `engine`, the PCDEngine on SmolLM2-135M-Instruct that the adapter and client tests
+share (the model loaded once per session; free text capped, since SmolLM2 loops when greedy), and
+`url` / `client`: one `pcd serve` on it for the session, on 127.0.0.1, with the API key `KEY`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import openai
 import pytest
 
-from tests.helpers import smollm2_engine
+from minicpm_pcd_adapters.server.app import create_app
+from minicpm_pcd_adapters.server.settings import ServerSettings
+from tests.helpers import KEY, served, smollm2_engine
+
+
+@pytest.fixture(scope="session")
+def url() -> Iterator[str]:
+    """The base URL (`.../v1`) of one `pcd serve` on SmolLM2 for the whole session."""
+    with served(create_app(smollm2_engine(), ServerSettings(model_name="smollm2", api_key=KEY))) as base:
+        yield base + "/v1"
+
+
+@pytest.fixture(scope="session")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")

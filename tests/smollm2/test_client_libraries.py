@@ -14,12 +14,9 @@ import pytest
 from pydantic import BaseModel, Field
 from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
-from minicpm_pcd_adapters.server.app import create_app
-from minicpm_pcd_adapters.server.settings import ServerSettings
-from tests.helpers import served
+from tests.helpers import KEY
 
 pytestmark = pytest.mark.slow
-KEY = "sk-libraries"
 TEXT = "I was charged twice for my subscription, please refund the second payment."
 
 
@@ -38,12 +35,6 @@ def lookup_order(order_id: str) -> str:
         order_id: The order's id, as the customer wrote it.
     """
     return f"Order {order_id} was shipped on Monday and arrives on Friday."
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with served(create_app(engine, ServerSettings(model_name="smollm2", api_key=KEY))) as base:
-        yield base + "/v1"
 
 
 def test_instructor_tools_mode_gets_the_forced_calls_object(url, engine):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-import openai
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -19,13 +18,9 @@ from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM, MiniCPMLLM, MiniCPMPCDProgram
-from minicpm_pcd_adapters.server.app import create_app
-from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Conversation
-from tests.helpers import served
 
 pytestmark = pytest.mark.slow
-KEY = "sk-doors"
 SYSTEM = "You route customer-support messages."
 TURNS = [
     ("user", "Hi, I have a question about my account."),
@@ -60,17 +55,6 @@ def get_weather(city: str) -> str:
 
 CALLED = "get_weather"
 ASKED = "What's the weather in Paris?"
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with served(create_app(engine, ServerSettings(model_name="smollm2", api_key=KEY))) as base:
-        yield base + "/v1"
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
