@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from pcd_engine import DEFAULT_RULE, Calibration, CalibrationError, FieldHead, PCDEngine
+from pcd_engine import DEFAULT_RULE, Calibration, CalibrationError, Conversation, FieldHead, PCDEngine
 from pcd_engine.calibration import weights_path
-from tests.helpers import LABELED, LABELED_TEXTS, Ticket
+from tests.helpers import LABELED, LABELED_TEXTS, ForwardCounter, Ticket
 
 TEXTS, LABELS = LABELED_TEXTS, LABELED
 
@@ -90,3 +90,37 @@ def test_suggest_labels_gives_best_guesses_ready_to_label(engine):
         assert s.text == TEXTS[s.index]
         assert Ticket.model_validate(s.label)  # a valid answer, what `calibrate` reads
         assert s.label == engine.classify(s.text, Ticket).value.model_dump(mode="json")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda e: e.calibrate(Ticket, LABELED_TEXTS, LABELED, method="bogus"), CalibrationError, "bogus"),
+        (lambda e: e.calibrate(Ticket, LABELED_TEXTS, None, method="bias"), CalibrationError, "needs labels"),
+        (lambda e: e.calibrate(Ticket, LABELED_TEXTS, LABELED, folds=1), CalibrationError, "folds"),
+        (lambda e: e.suggest_labels(Ticket, LABELED_TEXTS, count=0), ValueError, "count"),
+        (lambda e: e.suggest_labels(Ticket, LABELED_TEXTS, by="vibes"), ValueError, "by must be"),
+    ],
+)
+def test_learning_arguments_are_checked_before_any_text_is_scored(engine, call, error, match):
+    counter = ForwardCounter(engine.model.model)
+    try:
+        with pytest.raises(error, match=match):
+            call(engine)
+    finally:
+        counter.close()
+    assert counter.rows == []
+
+
+def test_one_user_turn_is_the_plain_string_and_a_conversation_s_system_text_its_instructions(engine):
+    text = LABELED_TEXTS[0]
+    plain = engine.classify(text, Ticket, instructions="Route it.")
+    asked = engine.classify(Conversation.of([("system", "Route it."), ("user", text)]), Ticket)
+    assert asked.value == plain.value
+    for path, field in plain.fields.items():
+        assert asked.fields[path].log_scores == pytest.approx(field.log_scores, abs=1e-6)
+    mixed = engine.classify_batch([text, Conversation.of([("system", "Route it."), ("user", text)])], Ticket)
+    assert mixed[0].fields["topic"].log_scores == pytest.approx(
+        engine.classify(text, Ticket).fields["topic"].log_scores, abs=1e-5
+    )  # each input planned with its own system text, answered in order
+    assert mixed[1].fields["topic"].log_scores == pytest.approx(plain.fields["topic"].log_scores, abs=1e-5)
