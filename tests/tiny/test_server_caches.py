@@ -44,7 +44,7 @@ def cache_metrics(url: str) -> dict[str, dict[str, float]]:
 def test_a_thousand_distinct_schemas_and_system_texts_leave_the_caches_at_their_limits(
     tiny_model, tiny_tokenizer
 ):
-    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc")
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option")
     app = create_app(engine, ServerSettings(model_name="tiny", batch_window_ms=1))
     with served(app) as url:
 
@@ -61,7 +61,7 @@ def test_a_thousand_distinct_schemas_and_system_texts_leave_the_caches_at_their_
         statuses = asyncio.run(send_all())
         assert statuses == [200] * REQUESTS
         sizes = engine.cache_sizes()
-        for name in ("plans", "priors", "json_schema_models"):  # more distinct keys than room: full
+        for name in ("plans", "json_schema_models"):  # more distinct keys than room: full
             held, bound = sizes[name]
             assert held == bound < REQUESTS, name
         assert sizes["prefix_bytes"][0] <= sizes["prefix_bytes"][1]
@@ -84,3 +84,19 @@ def test_a_cache_bound_must_be_a_positive_count(bound):
 
     with pytest.raises(ValueError, match="max_entries"):
         BoundedCache(bound)
+
+
+def test_priors_are_bounded_and_an_evicted_plan_s_are_computed_again(tiny_model, tiny_tokenizer):
+    from pcd_engine.bounded_cache import BoundedCache
+
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option-cc")
+    engine.scorer.priors_cache = BoundedCache(2)
+    engine.pipeline.plans.plans = BoundedCache(2)
+    schemas = [body(i)["response_format"]["json_schema"]["schema"] for i in range(3)]
+    first = engine.classify("hi", schemas[0])
+    for schema in schemas[1:]:
+        engine.classify("hi", schema)
+    assert engine.cache_sizes()["priors"] == (2, 2) and engine.cache_sizes()["plans"] == (2, 2)
+    again = engine.classify("hi", schemas[0])  # its plan and priors were evicted: built again
+    for path, field in first.fields.items():
+        assert again.fields[path].log_scores == pytest.approx(field.log_scores, abs=1e-5)
