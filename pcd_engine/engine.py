@@ -302,17 +302,20 @@ class PCDEngine(LearningMixin, ChatMixin):
         goes before the call's instructions, so inputs with different ones are planned apart and
         answered in their order."""
         systems = system_texts(texts)
-        if len(set(systems)) == 1:
+        groups = {
+            system: [i for i, s in enumerate(systems) if s == system] for system in dict.fromkeys(systems)
+        }
+        if len(groups) <= 1:  # an empty batch too: its schema is still checked
+            system = systems[0] if systems else None
             return self._run_plan(
-                texts, schema, options.with_system(systems[0]), return_exceptions, single, progress
+                texts, schema, options.with_system(system), return_exceptions, single, progress
             )
         out: list[PCDResult[Any] | PCDError] = [None] * len(texts)  # type: ignore[list-item]
-        for system in dict.fromkeys(systems):
-            picked = [i for i, s in enumerate(systems) if s == system]
-            group = [texts[i] for i in picked]
+        for system, picked in groups.items():
             answered = self._run_plan(
-                group, schema, options.with_system(system), return_exceptions, single, progress
-            )
+                [texts[i] for i in picked], schema, options.with_system(system), return_exceptions, single,
+                progress, picked,
+            )  # fmt: skip
             for i, result in zip(picked, answered, strict=True):
                 out[i] = result
         return out
@@ -325,6 +328,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         return_exceptions: bool,
         single: bool,
         progress: Callable[[int], None] | None = None,
+        numbers: Sequence[int] | None = None,
     ) -> list[PCDResult[Any] | PCDError]:
         target = output_type(schema)
         plan = self.pipeline.plan(target.model, layout=input_layout(texts), **options.plan)
@@ -334,7 +338,7 @@ class PCDEngine(LearningMixin, ChatMixin):
             raise CalibrationError("calibrate='batch' needs a batch of at least 2 texts")
         keep_hidden = options.calibration is not None and options.calibration.needs_hidden
         # 1. render every input: a bad one fails here (or takes its place), before any model work
-        items = self.pipeline.render(plan, texts, single, return_exceptions)
+        items = self.pipeline.render(plan, texts, single, return_exceptions, numbers)
         # 2. score the closed fields in packed passes, several requests per forward call
         self.pipeline.score(plan, items, keep_hidden)
         # 3. re-score close calls on the FP32 reference model

@@ -101,14 +101,20 @@ class Pipeline:
         return self.plans.get(compiled, chosen, text, turns, layout, shortlisted)
 
     def render(
-        self, plan: SchemaPlan, texts: Sequence[Any], single: bool = False, return_exceptions: bool = False
+        self,
+        plan: SchemaPlan,
+        texts: Sequence[Any],
+        single: bool = False,
+        return_exceptions: bool = False,
+        numbers: Sequence[int] | None = None,
     ) -> list[Request | PCDError]:
         """Phase 1: a request per input, before any model work; a bad input raises its InputError,
-        or with `return_exceptions` takes its place. `single`: errors do not name an index."""
+        or with `return_exceptions` takes its place. `single`: errors do not name an index;
+        `numbers`: the index each input has in the caller's batch (default: its position here)."""
         items: list[Request | PCDError] = []
         for index, text in enumerate(texts):
             try:
-                where = None if single else index
+                where = None if single else (index if numbers is None else numbers[index])
                 items.append(
                     Request.render(self.prompt, plan, text, self.limits, where, self.allow_empty_text)
                 )

@@ -124,3 +124,18 @@ def test_one_user_turn_is_the_plain_string_and_a_conversation_s_system_text_its_
         engine.classify(text, Ticket).fields["topic"].log_scores, abs=1e-5
     )  # each input planned with its own system text, answered in order
     assert mixed[1].fields["topic"].log_scores == pytest.approx(plain.fields["topic"].log_scores, abs=1e-5)
+
+
+def test_a_mixed_system_batch_names_each_bad_input_by_its_own_index_and_an_empty_batch_checks_the_schema(
+    engine,
+):
+    from pcd_engine import InputError, UnsupportedSchemaError
+
+    routed = Conversation.of([("system", "Route it."), ("user", LABELED_TEXTS[0])])
+    answered = engine.classify_batch([routed, LABELED_TEXTS[1], "  "], Ticket, return_exceptions=True)
+    assert isinstance(answered[2], InputError) and "text #2" in str(answered[2])
+    assert not isinstance(answered[0], InputError) and not isinstance(answered[1], InputError)
+    with pytest.raises(UnsupportedSchemaError):
+        engine.classify_batch(
+            [], {"type": "object", "properties": {"x": {"type": "array"}}}, allow_generation=False
+        )
