@@ -7,19 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from tqdm import tqdm
 
-from minicpm_pcd_adapters.by_name import load_schema
-from minicpm_pcd_adapters.cli.options import (
-    SETUP_ERRORS,
-    check_paths,
-    fail,
-    input_options,
-    load_for,
-    read_labeled,
-)
-from pcd_engine import PCDEngine, PCDError
+from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, Setup, fail, input_options, set_up
+from pcd_engine import PCDError
 
 
 def add_parser(sub: Any) -> None:
@@ -36,24 +27,17 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        check_paths(args)
-        schema = load_schema(args.schema)
-        rows = read_labeled(Path(args.input), args.text_key, args.label_key, schema)
-        schema, engine, _ = load_for(args, schema)
+        setup = set_up(args, labeled=True)
     except SETUP_ERRORS as error:
         return fail(error)
-    return run(engine, schema, rows, args)
+    return run(setup, args)
 
 
-def run(
-    engine: PCDEngine,
-    schema: type[BaseModel],
-    rows: list[tuple[str, dict[str, Any] | None]],
-    args: argparse.Namespace,
-) -> int:
+def run(setup: Setup, args: argparse.Namespace) -> int:
+    engine, schema, rows = setup.engine, setup.schema, setup.rows
     labeled = any(label is not None for _, label in rows)
     labels = [label or {} for _, label in rows] if labeled else None
-    fields = len(engine.plan(schema, instructions=args.instructions).scored_decisions)
+    fields = len(engine.plan(schema, **setup.options).scored_decisions)
     how = f"{args.method}, {args.folds}-fold" if labeled else "batch"
     fit_bar: list[Any] = []  # opened once scoring is done and the first field's fitting starts
     try:
@@ -73,9 +57,9 @@ def run(
                 labels,
                 method=args.method,
                 folds=args.folds,
-                instructions=args.instructions,
                 progress=bar.update,
                 fit_progress=fitting,
+                **setup.options,
             )
         for done in fit_bar:
             done.update(done.total - done.n)
@@ -84,8 +68,7 @@ def run(
         output.parent.mkdir(parents=True, exist_ok=True)
         fitted.save(output)
     except (PCDError, OSError) as error:
-        print(f"pcd: error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
     for path, report in fitted.report["fields"].items():
         if "before" in report:
             before, after = report["before"], report["after"]

@@ -10,20 +10,20 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from tqdm import tqdm
 
 from minicpm_pcd_adapters.by_name import load_schema
 from minicpm_pcd_adapters.cli.options import (
     SETUP_ERRORS,
+    Setup,
     check_paths,
     engine_options,
     fail,
     input_options,
-    load_for,
+    set_up,
 )
 from minicpm_pcd_adapters.files import answered_lines, classify_file, count_lines
-from pcd_engine import Calibration, PCDEngine, PCDError
+from pcd_engine import Calibration, PCDError
 
 
 def add_parser(sub: Any) -> None:
@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ray:
         return run_ray(args)
     try:
-        check_paths(args)
+        check_paths(args)  # before the resume check reads the input
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
         if args.resume and len(answered_lines(Path(args.output))) >= count_lines(Path(args.input)):
@@ -73,15 +73,13 @@ def main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 0  # before any model loads
-        schema, engine, calibration = load_for(args)
+        setup = set_up(args)
     except SETUP_ERRORS as error:
         return fail(error)
-    return run(engine, schema, args, calibration)
+    return run(setup, args)
 
 
-def run(
-    engine: PCDEngine, schema: type[BaseModel], args: argparse.Namespace, calibration: Calibration | None
-) -> int:
+def run(setup: Setup, args: argparse.Namespace) -> int:
     """Exit codes: 0 every input answered, 1 some inputs got error records, 130 stopped by a signal
     (rerun with --resume to finish)."""
     source, output = Path(args.input), Path(args.output)
@@ -91,8 +89,8 @@ def run(
         total = count_lines(source)
         with tqdm(total=total, desc="classify", unit="text", file=sys.stderr) as bar:
             summary = classify_file(
-                engine,
-                schema,
+                setup.engine,
+                setup.schema,
                 source,
                 output,
                 text_key=args.text_key,
@@ -100,9 +98,9 @@ def run(
                 resume=args.resume,
                 stop=stop,
                 progress=bar.update,
-                instructions=args.instructions,
-                calibration=calibration,
+                calibration=setup.calibration,
                 abstain_below=args.abstain_below,
+                **setup.options,
             )
     finally:
         for sig, handler in previous.items():
@@ -126,8 +124,7 @@ def run_ray(args: argparse.Namespace) -> int:
 
         from minicpm_pcd_adapters.ray.files import classify_files, input_files, rows_in
     except ImportError as error:
-        print(f"pcd: error: {error}; install the ray extra: pip install 'minicpm-pcd[ray]'", file=sys.stderr)
-        return 2
+        return fail(f"{error}; install the ray extra: pip install 'minicpm-pcd[ray]'")
     try:
         files = input_files(Path(args.input))
         output = Path(args.output)
@@ -138,9 +135,8 @@ def run_ray(args: argparse.Namespace) -> int:
         load_schema(args.schema)  # import errors before the job (schema errors: in classify_files)
         if args.batch_size < 1 or args.actors < 1:
             raise ValueError("--batch-size and --actors must be at least 1")
-    except (PCDError, ImportError, AttributeError, TypeError, ValueError, OSError) as error:
-        print(f"pcd: error: {error}", file=sys.stderr)
-        return 2
+    except SETUP_ERRORS as error:
+        return fail(error)
     options = {
         "instructions": args.instructions,
         # checked above; each actor loads the file itself (a head's weights sit beside the JSON)
@@ -165,8 +161,7 @@ def run_ray(args: argparse.Namespace) -> int:
                 **options,  # None is classify_batch's own default for each
             )
     except PCDError as error:
-        print(f"pcd: error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
     finally:
         ray.shutdown()
     print(

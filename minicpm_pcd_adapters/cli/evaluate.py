@@ -9,20 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from tqdm import tqdm
 
-from minicpm_pcd_adapters.by_name import load_schema
-from minicpm_pcd_adapters.cli.options import (
-    SETUP_ERRORS,
-    check_paths,
-    fail,
-    input_options,
-    load_calibration,
-    load_model,
-    read_labeled,
-)
-from pcd_engine import Calibration, Evaluation, PCDEngine, PCDError, evaluate
+from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, Setup, fail, input_options, set_up
+from pcd_engine import Calibration, Evaluation, PCDError, evaluate
 
 
 def add_parser(sub: Any) -> None:
@@ -51,16 +41,19 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:  # everything checkable before the model loads
-        check_paths(args)
         check_report(Path(args.report), args.overwrite)
         import_plots()
-        schema = load_schema(args.schema)
-        calibration = load_calibration(args, schema)  # for other fields: the first thing to say
-        rows = read_labeled(Path(args.input), args.text_key, args.label_key, schema)
-        engine = load_model(args, schema)  # `run` checks the calibration on the plan with --examples
+        setup = set_up(args, labeled=True, check_rows=lambda rows: check_rows(rows, args))
     except SETUP_ERRORS as error:
         return fail(error)
-    return run(engine, schema, rows, args, calibration)
+    return run(setup, args)
+
+
+def check_rows(rows: list[tuple[str, dict[str, Any] | None]], args: argparse.Namespace) -> None:
+    if any(label is None for _, label in rows):
+        raise ValueError("every line needs a label to evaluate")
+    if args.examples + args.fit >= len(rows):
+        raise ValueError(f"--examples + --fit must leave lines to score ({len(rows)} lines)")
 
 
 REPORT_FILES = ("report.json", "report.html", "calibration.json", "calibration.safetensors", "*.png")
@@ -88,32 +81,18 @@ def import_plots() -> Any:
     return plots
 
 
-def run(
-    engine: PCDEngine,
-    schema: type[BaseModel],
-    rows: list[tuple[str, dict[str, Any] | None]],
-    args: argparse.Namespace,
-    calibration: Calibration | None,
-) -> int:
-    if any(label is None for _, label in rows):
-        print("pcd: error: every line needs a label to evaluate", file=sys.stderr)
-        return 2
+def run(setup: Setup, args: argparse.Namespace) -> int:
     plots = import_plots()
     from minicpm_pcd_adapters.report import write_report  # Jinja2 beside matplotlib: the [eval] extra
 
-    if args.examples + args.fit >= len(rows):
-        print(
-            f"pcd: error: --examples + --fit must leave lines to score ({len(rows)} lines)", file=sys.stderr
-        )
-        return 2
-    shots = [(text, label) for text, label in rows[: args.examples]]
+    engine, schema, rows, calibration, options = (
+        setup.engine, setup.schema, setup.rows, setup.calibration, setup.options
+    )  # fmt: skip
+    shots = rows[: args.examples]
     fitting = rows[args.examples : args.examples + args.fit]
     scoring = rows[args.examples + args.fit :]
-    options: dict[str, Any] = {"instructions": args.instructions, "examples": shots}
     report = Path(args.report)
     try:
-        if calibration is not None:  # before any model work
-            calibration.check(engine.plan(schema, **options), engine.model_identity)
         with tqdm(total=len(scoring), desc="evaluate", unit="text", file=sys.stderr) as bar:
             base = evaluate(
                 engine,
@@ -141,8 +120,7 @@ def run(
             fitted.save(report / "calibration.json")
             variants[f"calibrated on {len(fitting)}"] = calibrated(fitted)
     except PCDError as error:
-        print(f"pcd: error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
     out = {name: e.to_json() for name, e in variants.items()}
     report.mkdir(parents=True, exist_ok=True)
     (report / "report.json").write_text(

@@ -10,6 +10,8 @@ import difflib
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,16 +143,44 @@ def check_label(label: dict[str, Any], compiled: CompiledSchema, where: str) -> 
             raise ValueError(f"{where}: label {key!r} has the value {json.dumps(bad[0])}, not one of {shown}")
 
 
-def load_for(args: argparse.Namespace, schema: Any = None) -> tuple[Any, PCDEngine, Calibration | None]:
-    """(schema, engine, calibration) of a model command (`schema`: already loaded), the schema
-    planned (its errors raised) and the calibration checked against it before any output is
-    written: the fields it was fitted for before the model loads, then the plan, model and rules."""
-    schema = load_schema(args.schema) if schema is None else schema
-    calibration = load_calibration(args, schema)
+@dataclass(frozen=True)
+class Setup:
+    """What a model command has once its setup passed: the schema, the loaded engine with the
+    schema planned, the checked calibration (or None), the labeled rows of a labeled command, and
+    the plan options (instructions, in-context examples) every engine call of the command uses."""
+
+    schema: Any
+    engine: PCDEngine
+    calibration: Calibration | None
+    rows: list[tuple[str, dict[str, Any] | None]]
+    options: dict[str, Any]
+
+
+def set_up(
+    args: argparse.Namespace,
+    *,
+    labeled: bool = False,
+    check_rows: Callable[[list[tuple[str, dict[str, Any] | None]]], None] | None = None,
+) -> Setup:
+    """The setup every model command shares, cheapest checks first so that a bad option, path,
+    schema, label or calibration costs no loading time: the paths, the schema, the calibration
+    against the schema's fields, the labeled rows (`labeled`), then the model, the plan and the
+    calibration against both. `--examples N` (where a command has it) takes the first N labeled
+    rows as in-context examples. Raises one of SETUP_ERRORS."""
+    check_paths(args)
+    schema = load_schema(args.schema)
+    calibration = load_calibration(args, schema)  # for other fields: the first thing to say
+    rows = read_labeled(Path(args.input), args.text_key, args.label_key, schema) if labeled else []
+    if check_rows is not None:
+        check_rows(rows)  # a command's own checks of its labeled rows, before the model loads
+    examples = rows[: getattr(args, "examples", 0)]
+    options: dict[str, Any] = {"instructions": args.instructions}
+    if examples:
+        options["examples"] = [(text, label) for text, label in examples]
     engine = load_model(args, schema)
     if calibration is not None:
-        calibration.check(engine.plan(schema, instructions=args.instructions), engine.model_identity)
-    return schema, engine, calibration
+        calibration.check(engine.plan(schema, **options), engine.model_identity)
+    return Setup(schema, engine, calibration, rows, options)
 
 
 def load_model(args: argparse.Namespace, schema: Any) -> PCDEngine:

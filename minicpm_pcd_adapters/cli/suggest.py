@@ -14,12 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from tqdm import tqdm
 
-from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, check_paths, fail, input_options, load_for
+from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, Setup, fail, input_options, set_up
 from minicpm_pcd_adapters.files import iter_inputs, write_errors
-from pcd_engine import Calibration, PCDEngine
 
 
 def add_parser(sub: Any) -> None:
@@ -35,31 +33,28 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        check_paths(args)
         if args.count < 1:
             raise ValueError(f"--count must be at least 1, got {args.count}")
-        schema, engine, calibration = load_for(args)
+        setup = set_up(args)
     except SETUP_ERRORS as error:
         return fail(error)
-    return run(engine, schema, args, calibration)
+    return run(setup, args)
 
 
-def run(
-    engine: PCDEngine, schema: type[BaseModel], args: argparse.Namespace, calibration: Calibration | None
-) -> int:
+def run(setup: Setup, args: argparse.Namespace) -> int:
     """Exit codes: 0 every line scored, 1 some lines got error records."""
     records = list(iter_inputs(Path(args.input), args.text_key))
     readable = [r for r in records if "text" in r]
     errors: list[dict[str, Any]] = [{"line": r["line"], "error": r["error"]} for r in records if "error" in r]
     with tqdm(total=len(readable), desc="suggest", unit="text", file=sys.stderr) as bar:
-        found = engine.suggest_labels(
-            schema,
+        found = setup.engine.suggest_labels(
+            setup.schema,
             [r["text"] for r in readable],
             args.count,
             by=args.by,
-            calibration=calibration,
-            instructions=args.instructions,
+            calibration=setup.calibration,
             progress=bar.update,
+            **setup.options,
         )
     for index, error in found.errors.items():
         errors.append(
