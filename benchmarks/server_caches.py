@@ -3,10 +3,12 @@ warm-up, then after N more requests, each with a schema and a system text no ear
 (SmolLM2-135M, CPU, the server in this process on 127.0.0.1, 4 requests at a time).
 
 Every cache keyed by what clients send is bounded, so the growth should stop once the caches are full
-(the target: under 100 MiB over 1,000 schemas). Uses only HTTP, so the same script measures an older
-checkout.
+(the target: under 100 MiB over 1,000 schemas). The default warm-up (300 schemas) fills them: the
+prefix cache's 512 MiB holds the heads of about 200 of these schemas, the plan caches 256 entries.
+The caches' sizes are printed from /metrics where the server has them. Uses only HTTP, so the same
+script measures an older checkout.
 
-    python benchmarks/server_caches.py --requests 1000
+    python benchmarks/server_caches.py --warm-up 300 --requests 1000
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ async def send(url: str, start: int, count: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warm-up", type=int, default=50)
+    parser.add_argument("--warm-up", type=int, default=300, help="schemas before the first reading")
     parser.add_argument("--requests", type=int, default=1000)
     args = parser.parse_args()
     app = create_app(load_smollm2(), ServerSettings(model_name="smollm2", batch_window_ms=1))
@@ -76,6 +78,7 @@ def main() -> None:
         answered = asyncio.run(send(url, 0, args.warm_up))
         warm = rss_mib()
         print(f"after {args.warm_up} warm-up schemas ({answered} answered): RSS {warm:.0f} MiB", flush=True)
+        print(cache_sizes(url), flush=True)
         began, done, step = time.perf_counter(), 0, max(args.requests // 4, 1)
         while done < args.requests:
             count = min(step, args.requests - done)
@@ -87,6 +90,13 @@ def main() -> None:
                 f"(+{now - warm:.0f} MiB), {time.perf_counter() - began:.0f} s",
                 flush=True,
             )
+        print(cache_sizes(url), flush=True)
+
+
+def cache_sizes(url: str) -> str:
+    """The `pcd_cache_size` and `pcd_cache_limit` lines of /metrics (none on an older server)."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return "\n".join(line for line in lines if line.startswith(("pcd_cache_size{", "pcd_cache_limit{")))
 
 
 if __name__ == "__main__":

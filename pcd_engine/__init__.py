@@ -29,7 +29,7 @@ from pcd_engine.grammars import GRAMMAR_KINDS, Grammar
 from pcd_engine.heads import FieldHead
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.manifest import MANIFEST_NAME, create_manifest, read_manifest, verify_manifest, write_manifest
-from pcd_engine.options import ClassifyOptions, PlanOptions
+from pcd_engine.options import ClassifyOptions, GenerateOptions, PlanOptions, ToolCallOptions, ToolPlanOptions
 from pcd_engine.output_types import OutputType, output_type, require_closed
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
@@ -74,6 +74,7 @@ __all__ = [
     "FieldEvaluation",
     "FieldHead",
     "FieldResult",
+    "GenerateOptions",
     "Generation",
     "GenerationChunk",
     "Grammar",
@@ -106,9 +107,11 @@ __all__ = [
     "TokenLogprob",
     "TokenizationError",
     "Tool",
+    "ToolCallOptions",
     "ToolCallResult",
     "ToolCaller",
     "ToolChoice",
+    "ToolPlanOptions",
     "Turn",
     "UnsupportedSchemaError",
     "__version__",

@@ -31,6 +31,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     reused_tokens: int = 0
+    evicted_bytes: int = 0  # of the prefixes dropped to stay within max_bytes, all told
 
 
 class PrefixCache:
@@ -77,6 +78,7 @@ class PrefixCache:
             while self._bytes > self.max_bytes:
                 _, (_, dropped) = self._entries.popitem(last=False)
                 self._bytes -= dropped
+                self.stats.evicted_bytes += dropped
 
     def clear(self) -> None:
         with self._lock:

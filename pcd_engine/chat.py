@@ -14,10 +14,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import Unpack
+
 from pcd_engine.conversation import Conversation
 from pcd_engine.errors import InputError
-from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling, StopStrings, check_logprobs
+from pcd_engine.generate import (
+    GeneratedSequence,
+    Generator,
+    LogprobRecorder,
+    Sampling,
+    StopStrings,
+    check_logprobs,
+)
 from pcd_engine.grammars import Grammar
+from pcd_engine.options import SAMPLING_FIELDS, GenerateOptions
 from pcd_engine.prompt import ChatPrompt, RawPrompt
 from pcd_engine.results import Generation, GenerationChunk, TokenLogprob
 from pcd_engine.schema import Limits
@@ -43,7 +53,7 @@ class ChatCall:
         return LogprobRecorder.asked(1, self.logprobs)
 
     def generate(self, generator: Generator) -> Generation:
-        (completion,) = generator.run(
+        (sequence,) = generator.run(
             [self.ids],
             max_new_tokens=self.max_tokens,
             sampling=self.sampling,
@@ -51,17 +61,17 @@ class ChatCall:
             matchers=self.matchers(generator),
             recorder=self.recorder(),
         )
-        text = self.stops.cut(generator.tokenizer.decode(completion.ids, skip_special_tokens=True))
+        text = self.stops.cut(generator.tokenizer.decode(sequence.ids, skip_special_tokens=True))
         logprobs = None
-        if completion.logprobs is not None:
-            logprobs = _up_to(generator.token_logprobs(completion.logprobs), len(text))
-        return Generation(text, completion.finish_reason, len(self.ids), len(completion.ids), logprobs)
+        if sequence.logprobs is not None:
+            logprobs = _up_to(generator.token_logprobs(sequence.logprobs), len(text))
+        return Generation(text, sequence.finish_reason, len(self.ids), len(sequence.ids), logprobs)
 
     def stream(self, generator: Generator) -> Iterator[GenerationChunk]:
         """Text pieces as tokens are decoded; the last chunk has the finish reason and token counts.
         With `logprobs`, each chunk carries the tokens recorded since the previous chunk (up to a
         stop string)."""
-        done: Completion | None = None
+        done: GeneratedSequence | None = None
         recorder = self.recorder()
         sent = 0
 
@@ -83,7 +93,7 @@ class ChatCall:
             recorder=recorder,
         )
         for piece in pieces:
-            if isinstance(piece, Completion):
+            if isinstance(piece, GeneratedSequence):
                 done = piece
             elif text := self.stops.feed(piece):
                 yield GenerationChunk(text, logprobs=recorded())
@@ -179,22 +189,10 @@ class ChatMixin:
     sampling: Sampling
     generator: Generator
 
-    def generate(
-        self,
-        messages: Messages,
-        *,
-        max_tokens: int = 512,
-        stop: Sequence[str] | None = None,
-        sampling: Sampling | None = None,
-        json_object: bool = False,
-        grammar: Grammar | None = None,
-        logprobs: int | None = None,
-        tools: Sequence[Any] = (),
-        **sampling_options: Any,
-    ) -> Generation:
+    def generate(self, messages: Messages, **options: Unpack[GenerateOptions]) -> Generation:
         """Plain chat generation: a conversation (a `Conversation`, or messages as `Conversation.of`
         reads them: role/content dicts, earlier tool calls and results included, or pairs) in, the
-        assistant's text out.
+        assistant's text out. The options are `GenerateOptions`.
 
         `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
         is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
@@ -206,59 +204,42 @@ class ChatMixin:
         alternatives in `Generation.logprobs` (see `TokenLogprob`). `tools` (as `engine.tools.call`
         takes them) are shown to a template with a tool protocol; no call is decided here.
         """
-        options = sampling_options
-        call = self._chat_call(
-            messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs, tools
-        )
-        return call.generate(self.generator)
+        return self._chat_call(messages, options).generate(self.generator)
 
     def stream(
-        self,
-        messages: Messages,
-        *,
-        max_tokens: int = 512,
-        stop: Sequence[str] | None = None,
-        sampling: Sampling | None = None,
-        json_object: bool = False,
-        grammar: Grammar | None = None,
-        logprobs: int | None = None,
-        tools: Sequence[Any] = (),
-        **sampling_options: Any,
+        self, messages: Messages, **options: Unpack[GenerateOptions]
     ) -> collections.abc.Generator[GenerationChunk, None, None]:
         """`generate`, yielding text pieces as tokens are decoded; the last chunk carries the finish
         reason and the token counts (and with `logprobs=`, its chunks the tokens' log-probabilities).
         Closing the iterator early stops generation."""
-        options = sampling_options
-        call = self._chat_call(
-            messages, max_tokens, stop, sampling, options, json_object, grammar, logprobs, tools
-        )
+        call = self._chat_call(messages, options)
         yield from call.stream(self.generator)  # a generator: bad inputs raise on the first next()
 
     def check_grammar(self, grammar: Grammar) -> None:
         """Compile `grammar` as `generate` would (xgrammar caches it): InputError if it cannot be."""
         self.generator.compile(grammar)
 
-    def _chat_call(
-        self,
-        messages: Messages,
-        max_tokens: int,
-        stop: Sequence[str] | None,
-        sampling: Sampling | None,
-        options: Mapping[str, Any],
-        json_object: bool,
-        grammar: Grammar | None,
-        logprobs: int | None,
-        tools: Sequence[Any] = (),
-    ) -> ChatCall:
+    def _chat_call(self, messages: Messages, options: GenerateOptions) -> ChatCall:
+        if unknown := sorted(set(options) - GenerateOptions.__optional_keys__):  # a server's 400, too
+            names = ", ".join(sorted(GenerateOptions.__optional_keys__))
+            raise InputError(f"unknown sampling option {unknown[0]!r}; the options are {names}")
+        json_object, grammar = options.get("json_object", False), options.get("grammar")
         if json_object and grammar is not None:
             raise InputError("pass either json_object=True or a grammar, not both")
         if grammar is not None and not isinstance(grammar, Grammar):
             raise InputError(f"grammar must be a Grammar, got {type(grammar).__name__}")
         wanted = Grammar.json_object() if json_object else grammar
         compiled = self.generator.compile(wanted) if wanted is not None else None  # before model work
-        chosen = sampling or self.sampling
-        limits = self.limits
-        listed = [t.openai() for t in as_tools(tools)] if tools else ()
+        tools = options.get("tools", ())
         return chat_call(
-            self.prompt, limits, messages, max_tokens, stop, chosen, options, compiled, logprobs, listed
+            self.prompt,
+            self.limits,
+            messages,
+            options.get("max_tokens", 512),
+            options.get("stop"),
+            options.get("sampling") or self.sampling,
+            {k: v for k, v in options.items() if k in SAMPLING_FIELDS},
+            compiled,
+            options.get("logprobs"),
+            [t.openai() for t in as_tools(tools)] if tools else (),
         )

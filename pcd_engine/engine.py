@@ -345,7 +345,9 @@ class PCDEngine(LearningMixin, ChatMixin):
         self.pipeline.rescore(plan, items)
         # 4. calibrate the scored fields, mark those below the abstention threshold
         batch, threshold = options.batch_calibration, options.abstain_below
-        self.pipeline.calibrate(plan, items, options.calibration, batch=batch, abstain_below=threshold)
+        self.pipeline.apply_calibration(
+            plan, items, options.calibration, batch=batch, abstain_below=threshold
+        )
         # 5. the answer: the scored values alone, or with the open fields generated after them
         requests = rendered(items)
         if plan.json_schema is None:

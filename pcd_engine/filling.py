@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from pcd_engine.decisions import scored_values
 from pcd_engine.errors import StructuredOutputError, UnsupportedSchemaError
-from pcd_engine.generate import Completion, Generator, LogprobRecorder, Sampling
+from pcd_engine.generate import GeneratedSequence, Generator, LogprobRecorder, Sampling
 from pcd_engine.json_schema import Keys, check_enforceable, pinned_schema, token_budget
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
@@ -88,10 +88,10 @@ class JsonFiller:
         ids = [*prompt_ids, *self.prompt.encode_text(forced)]
         return FillJob(ids, forced, matcher, budget, closed)
 
-    def parse(self, job: FillJob, completion: Completion, model: type[BaseModel]) -> tuple[str, Any]:
+    def parse(self, job: FillJob, sequence: GeneratedSequence, model: type[BaseModel]) -> tuple[str, Any]:
         """(raw JSON text, validated instance or the ValidationError); raises when the budget ran out."""
-        raw = job.forced + self.generator.tokenizer.decode(completion.ids, skip_special_tokens=True)
-        if completion.finish_reason == "length":  # the grammar allows a stop token only once complete
+        raw = job.forced + self.generator.tokenizer.decode(sequence.ids, skip_special_tokens=True)
+        if sequence.finish_reason == "length":  # the grammar allows a stop token only once complete
             raise StructuredOutputError(
                 f"generation used its whole budget of {job.budget} tokens (derived from the schema, "
                 "at most Limits.max_generated_tokens) before the JSON object was complete",
@@ -142,7 +142,7 @@ class JsonFiller:
             chunk = range(start, min(start + self.batch_size, len(requests)))
             began = time.perf_counter()
             kv = self._head_kv(plan, jobs[start].prompt, requests[start]) if single else None
-            completions = self.generator.run(
+            sequences = self.generator.run(
                 [jobs[i].prompt for i in chunk],
                 max_new_tokens=max(jobs[i].budget for i in chunk),
                 sampling=sampling,
@@ -151,9 +151,9 @@ class JsonFiller:
                 recorder=LogprobRecorder.asked(len(chunk), logprobs),
             )
             elapsed = elapsed_ms(began)
-            for i, completion in zip(chunk, completions, strict=True):
+            for i, sequence in zip(chunk, sequences, strict=True):
                 requests[i].timings["generate"] = elapsed
-                self._finish(plan, requests[i], jobs[i], completion, sampling, logprobs)
+                self._finish(plan, requests[i], jobs[i], sequence, sampling, logprobs)
                 if progress is not None:
                     progress(1)
 
@@ -162,17 +162,17 @@ class JsonFiller:
         plan: SchemaPlan,
         request: Request,
         job: FillJob,
-        completion: Completion,
+        sequence: GeneratedSequence,
         sampling: Sampling,
         logprobs: int | None,
     ) -> None:
         """Parse and validate one generated answer; after a validation error, retry once."""
         for attempt in (1, 2):
             request.attempts = attempt
-            request.generated_tokens += completion.steps
-            request.stats.forward_calls += completion.steps
+            request.generated_tokens += sequence.steps
+            request.stats.forward_calls += sequence.steps
             try:
-                raw, outcome = self.parse(job, completion, plan.compiled.schema)
+                raw, outcome = self.parse(job, sequence, plan.compiled.schema)
             except StructuredOutputError as error:
                 error.attempts = attempt
                 request.error = error
@@ -180,8 +180,8 @@ class JsonFiller:
             if isinstance(outcome, BaseModel):
                 request.value = outcome
                 request.fields.update(generated_fields(plan, outcome))
-                if completion.logprobs is not None:  # the accepted answer's tokens, as text
-                    request.token_logprobs = self.generator.token_logprobs(completion.logprobs)
+                if sequence.logprobs is not None:  # the accepted answer's tokens, as text
+                    request.token_logprobs = self.generator.token_logprobs(sequence.logprobs)
                 return
             if attempt == 2:
                 request.error = StructuredOutputError(
@@ -190,7 +190,7 @@ class JsonFiller:
                 return
             began = time.perf_counter()
             job = self.job(plan, self.retry_prompt(plan, request.text, raw, outcome), job.closed)
-            (completion,) = self.generator.run(
+            (sequence,) = self.generator.run(
                 [job.prompt],
                 max_new_tokens=job.budget,
                 sampling=sampling,

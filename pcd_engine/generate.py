@@ -76,7 +76,7 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class Completion:
+class GeneratedSequence:
     ids: list[int]  # the generated tokens, stop token and padding removed
     finish_reason: str  # "stop" (stop token, stop string or grammar end) or "length" (token budget)
     steps: int  # decoding steps taken (forward calls)
@@ -255,8 +255,8 @@ class Generator:
         cache: Any = None,
         cancel: threading.Event | None = None,
         recorder: LogprobRecorder | None = None,
-    ) -> list[Completion]:
-        """Generate for every row; returns one Completion per row, in order (with each token's
+    ) -> list[GeneratedSequence]:
+        """Generate for every row; returns one GeneratedSequence per row, in order (with each token's
         log-probability when a `recorder` is given)."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
@@ -299,12 +299,12 @@ class Generator:
         if recorder is not None and out.shape[1] > width:
             recorder.finish(out[:, -1])
         new = out[:, width:].tolist()
-        completions = [self._completion(row, max_new_tokens, stop_strings) for row in new]
+        sequences = [self._sequence(row, max_new_tokens, stop_strings) for row in new]
         if recorder is None:
-            return completions
+            return sequences
         return [
             dataclasses.replace(c, logprobs=steps[: len(c.ids)])
-            for c, steps in zip(completions, recorder.steps, strict=True)
+            for c, steps in zip(sequences, recorder.steps, strict=True)
         ]
 
     def token_logprobs(self, steps: Sequence[StepLogprob]) -> tuple[TokenLogprob, ...]:
@@ -318,19 +318,21 @@ class Generator:
             TokenLogprob(text(s.id), s.logprob, tuple((text(i), p) for i, p in s.top)) for s in steps
         )
 
-    def _completion(self, row: list[int], max_new_tokens: int, stop_strings: Sequence[str]) -> Completion:
+    def _sequence(
+        self, row: list[int], max_new_tokens: int, stop_strings: Sequence[str]
+    ) -> GeneratedSequence:
         steps = len(row)
         while row and row[-1] == self.pad_id and self.pad_id not in self.stop_ids:
             row = row[:-1]
         stops = [i for i, token in enumerate(row) if token in self.stop_ids]
         if stops:
-            return Completion(row[: stops[0]], "stop", stops[0] + 1)
+            return GeneratedSequence(row[: stops[0]], "stop", stops[0] + 1)
         if len(row) < max_new_tokens:  # ended early without a stop token: a stop string
-            return Completion(row, "stop", steps)
+            return GeneratedSequence(row, "stop", steps)
         text = self.tokenizer.decode(row, skip_special_tokens=True) if stop_strings else ""
         if any(s in text for s in stop_strings):  # a stop string in the very last token
-            return Completion(row, "stop", steps)
-        return Completion(row, "length", steps)
+            return GeneratedSequence(row, "stop", steps)
+        return GeneratedSequence(row, "length", steps)
 
     def stream(
         self,
@@ -341,8 +343,8 @@ class Generator:
         stop_strings: Sequence[str],
         matchers: Sequence[Any] | None = None,
         recorder: LogprobRecorder | None = None,
-    ) -> Iterator[str | Completion]:
-        """Text pieces as they are decoded, then the Completion. Closing the iterator stops generation.
+    ) -> Iterator[str | GeneratedSequence]:
+        """Text pieces as they are decoded, then the GeneratedSequence. Closing the iterator stops generation.
         A `recorder`'s `steps[0]` grows while the pieces come."""
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         cancel = threading.Event()

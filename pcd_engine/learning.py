@@ -99,7 +99,7 @@ class LearningMixin:
             part = requests[start : start + chunk]
             self.pipeline.score(plan, part, keep)
             self.pipeline.rescore(plan, part)
-            self.pipeline.calibrate(plan, part, calibration)
+            self.pipeline.apply_calibration(plan, part, calibration)
             if progress is not None:
                 progress(len(part))
         return [item if isinstance(item, PCDError) else (item.fields, item.hidden) for item in items]

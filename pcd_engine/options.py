@@ -1,9 +1,11 @@
-"""The per-call options of the structured calls, written once.
+"""The per-call options of the engine's calls, written once.
 
 `PlanOptions` choose a schema's plan (`engine.plan`, `calibrate`, `suggest_labels`); `ClassifyOptions`
-add what one `classify` / `classify_batch` call may set for itself. The public calls take them as
-keyword arguments, `**options: Unpack[ClassifyOptions]`, so type checkers and editors see every name
-and type, and an unknown name is refused as Python would refuse it. `RequestOptions` is the checked
+add what one `classify` / `classify_batch` call may set for itself. `GenerateOptions` are those of
+plain chat (`generate`, `stream`); `ToolPlanOptions` choose a tool decision's plan
+(`tools.calibrate`) and `ToolCallOptions` add what one `tools.call` sets for itself. The public calls
+take them as keyword arguments, `**options: Unpack[ClassifyOptions]`, so type checkers and editors see
+every name and type, and an unknown name is refused as Python would refuse it. `RequestOptions` is the checked
 record the pipeline reads, the engine's defaults filled in.
 
     >>> RequestOptions.of({"abstain_below": 0.7}, None).abstain_below
@@ -23,6 +25,7 @@ from pcd_engine.calibration import Calibration
 from pcd_engine.conversation import joined
 from pcd_engine.errors import CalibrationError
 from pcd_engine.generate import Sampling, check_logprobs
+from pcd_engine.grammars import Grammar
 from pcd_engine.rules import Rule
 
 ON_ABSTAIN = ("flag", "raise")
@@ -45,6 +48,44 @@ class ClassifyOptions(PlanOptions, total=False):
     abstain_below: float | None  # a field less confident than this is abstained (default: engine's)
     on_abstain: str  # "flag" (result.needs_review) or "raise" (AbstentionError carrying the result)
     logprobs: int | None  # record generated tokens' log-probabilities, with this many alternatives
+
+
+class GenerateOptions(TypedDict, total=False):
+    """What one `generate` / `stream` call sets; left out: the default in the comment."""
+
+    max_tokens: int  # the longest answer, in tokens (512)
+    stop: Sequence[str] | str | None  # strings that end the answer, not included (none)
+    sampling: Sampling | None  # decoding (the engine's: greedy unless it was built otherwise)
+    temperature: float  # these five override one field of `sampling` each
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    seed: int | None
+    json_object: bool  # the answer is one JSON object, any keys (False)
+    grammar: Grammar | None  # the answer follows this regex, EBNF grammar or JSON schema (none)
+    logprobs: int | None  # record each token's log-probability and this many alternatives (none)
+    tools: Sequence[Any]  # shown to a template with a tool protocol; no call is decided (none)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+class ToolPlanOptions(TypedDict, total=False):
+    """What chooses a tool decision's plan, beside the tools (`tools.call`, `tools.calibrate`)."""
+
+    tool_choice: Any  # "auto" (default), "required", "none", or a tool's name as OpenAI writes it
+    instructions: str | None  # go before the tool instructions (a conversation's system text first)
+    rule: str | None  # how the decision and closed arguments are scored (the engine's)
+
+
+class ToolCallOptions(ToolPlanOptions, total=False):
+    """`ToolPlanOptions`, and what one `tools.call` sets for itself."""
+
+    calibration: Calibration | None  # fitted on `tools.schema(tools, tool_choice)`
+    abstain_below: float | None  # as in `classify`, for the decision and the scored arguments
+    max_tokens: int  # the longest text answer or generated argument (512)
+    sampling: Sampling | None  # decoding of a text answer and of open arguments (greedy)
+    logprobs: int | None  # as in `generate`
 
 
 def refuse_unknown(options: Mapping[str, Any], declared: Any, what: str) -> None:

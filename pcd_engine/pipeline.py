@@ -1,14 +1,14 @@
 """The structured pipeline: a schema's plan, then phases 1 to 4 of its requests, as public methods.
 
-    plan         the schema's cached SchemaPlan                           plan.py
-    1. render    every input checked and rendered (or its error)          request.py
-    2. score     the closed fields in packed passes, decisions made       scorer.py, decisions.py
-    3. rescore   close calls again on the FP32 reference model            precision.py
-    4. calibrate the call's calibration (or the batch's own), abstention  calibration.py
+    plan                 the schema's cached SchemaPlan                           plan.py
+    1. render            every input checked and rendered (or its error)          request.py
+    2. score             the closed fields in packed passes, decisions made       scorer.py, decisions.py
+    3. rescore           close calls again on the FP32 reference model            precision.py
+    4. apply_calibration the call's calibration (or the batch's own), abstention  calibration.py
 
 `PCDEngine` builds one and runs these phases, then fills each answer (phase 5, filling.py) and returns
-one result per input (phase 6); `calibrate`, `score_fields` and `suggest_labels` (learning.py) run
-phases 1 to 4 alone, on the same object.
+one result per input (phase 6); fitting a calibration (`calibrate`), `score_fields` and
+`suggest_labels` (learning.py) run phases 1 to 4 alone, on the same object.
 
     >>> plan = engine.pipeline.plan(Ticket)  # doctest: +SKIP
     >>> requests = engine.pipeline.render(plan, ["I was charged twice"])  # doctest: +SKIP
@@ -158,7 +158,7 @@ class Pipeline:
             for request in rendered(requests):
                 self.rescorer.rescore(plan, request)
 
-    def calibrate(
+    def apply_calibration(
         self,
         plan: SchemaPlan,
         requests: Sequence[Request | PCDError],

@@ -30,7 +30,14 @@ from pcd_engine.calibration import Calibration
 from pcd_engine.conversation import Conversation, joined, new_call_id
 from pcd_engine.errors import InputError, StructuredOutputError
 from pcd_engine.generate import Sampling
-from pcd_engine.options import ClassifyOptions, PlanOptions
+from pcd_engine.options import (
+    ClassifyOptions,
+    GenerateOptions,
+    PlanOptions,
+    ToolCallOptions,
+    ToolPlanOptions,
+    refuse_unknown,
+)
 from pcd_engine.prompt import ChatPrompt, TextInput
 from pcd_engine.results import FieldResult, Generation, PCDResult, TokenLogprob
 from pcd_engine.tools import ToolArguments, ToolChoice, ToolPlan, as_tools, build_tool_plan, pinned_arguments
@@ -124,7 +131,7 @@ class ToolEngine(Protocol):
         **options: Unpack[PlanOptions],
     ) -> Calibration: ...
 
-    def generate(self, messages: Any, **options: Any) -> Generation: ...
+    def generate(self, messages: Any, **options: Unpack[GenerateOptions]) -> Generation: ...
 
 
 class ToolCaller:
@@ -163,23 +170,24 @@ class ToolCaller:
         conversations: Sequence[Any],
         labels: Sequence[Any] | None = None,
         *,
-        tool_choice: Any = "auto",
-        instructions: str | None = None,
         method: str = "auto",
         folds: int = 5,
-        rule: str | None = None,
+        **options: Unpack[ToolPlanOptions],
     ) -> Calibration:
         """Fit a Calibration of the decision (and the scored arguments) for `call(...,
         calibration=...)`: each conversation a user's text or a list of messages, all with the same
         system text; each label a tool's name, None for a text answer, or `{"tool": ..., "arguments":
         {...}}`. `method`, `folds` and `rule` (default: the engine's) as in `engine.calibrate`; a
-        calibration applies to calls with the same rule."""
+        calibration applies to calls with the same rule. The options are `ToolPlanOptions`."""
+        refuse_unknown(options, ToolPlanOptions, "options")
+        tool_choice = options.get("tool_choice", "auto")
         plan = self.plan(tools, tool_choice)
         if plan.schema is None or plan.forced is not None:
             raise InputError(f"tool_choice {tool_choice!r} leaves no decision to calibrate")
         inputs = [Conversation.of(item) for item in conversations]
         decided = [plan.label(label, n) for n, label in enumerate(labels)] if labels is not None else None
-        asked = joined(instructions, plan.instructions)
+        asked = joined(options.get("instructions"), plan.instructions)
+        rule = options.get("rule")
         return self.engine.calibrate(
             plan.schema, inputs, decided, method=method, folds=folds, instructions=asked, rule=rule
         )
@@ -188,15 +196,7 @@ class ToolCaller:
         self,
         messages: Any,
         tools: Sequence[Any],
-        *,
-        tool_choice: Any = "auto",
-        instructions: str | None = None,
-        calibration: Calibration | None = None,
-        abstain_below: float | None = None,
-        max_tokens: int = 512,
-        sampling: Sampling | None = None,
-        logprobs: int | None = None,
-        rule: str | None = None,
+        **options: Unpack[ToolCallOptions],
     ) -> ToolCallResult:
         """Decide the next step of a conversation: a call of one of `tools` (OpenAI entries, bare
         function dicts or `Tool`s) or a text answer, as `tool_choice` allows. The decision and every
@@ -206,8 +206,12 @@ class ToolCaller:
         `calibration` (fitted on `schema(tools, tool_choice)`) and `abstain_below` apply to the
         decision and the scored arguments; `rule` scores them (default: the engine's). A choice that
         leaves one tool ("required" with one tool, or a tool's name) is that tool's structured
-        output: `classify` on its arguments."""
-        plan = self.plan(tools, tool_choice)
+        output: `classify` on its arguments. The options are `ToolCallOptions`."""
+        refuse_unknown(options, ToolCallOptions, "options")
+        instructions, rule = options.get("instructions"), options.get("rule")
+        abstain_below, sampling = options.get("abstain_below"), options.get("sampling")
+        logprobs, max_tokens = options.get("logprobs"), options.get("max_tokens", 512)
+        plan = self.plan(tools, options.get("tool_choice", "auto"))
         conversation = Conversation.of(messages)
         if plan.schema is None:
             return self._text(conversation, plan, None, max_tokens, sampling, logprobs)
@@ -232,7 +236,7 @@ class ToolCaller:
             instructions=asked,
             rule=rule,
             allow_generation=False,
-            calibration=calibration,
+            calibration=options.get("calibration"),
             abstain_below=abstain_below,
         )
         decision = scored.fields["tool"]

@@ -1,7 +1,7 @@
 """The answers `pcd serve` writes, built from the models of `protocol.py` (the ones `/openapi.json`
 publishes): completions and stream chunks, usage, structured answers with the `pcd` extension and
 standard `logprobs`, and the same choices written as `/v1/completions` text. No web framework, no
-model: `Completion.body` / `.chunk` give the JSON.
+model: `ResponseWriter.body` / `.chunk` give the JSON.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ LOWEST_LOGPROB = -9999.0  # what a probability of 0 is written as (JSON has no -
 
 
 @dataclass
-class Completion:
+class ResponseWriter:
     """One response: its id, creation time and model, then its choices (one per `n`). With `text`,
     written as a `/v1/completions` answer."""
 
@@ -115,7 +115,7 @@ def classified_message(
     return Choice(index=index, message=message, finish_reason="stop", logprobs=logprobs, pcd=extension)
 
 
-def tool_message(call: calls.ToolCall, result: ToolCallResult, index: int) -> Choice:
+def tool_message(call: calls.ToolDecisionCall, result: ToolCallResult, index: int) -> Choice:
     """The choice of a tool decision: one `tool_calls` entry, or the text answer; `pcd` holds the
     decision's probabilities (every tool's, "" for the text answer) and the scored arguments."""
     message = AssistantMessage(role="assistant", content=result.text, refusal=None)

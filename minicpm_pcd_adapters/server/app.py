@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minicpm_pcd_adapters.server.answers import (
-    Completion,
+    ResponseWriter,
     choice_delta,
     classified_message,
     classified_usage,
@@ -52,11 +52,10 @@ from minicpm_pcd_adapters.server.calls import (
     ClassifyCall,
     GenerateCall,
     RequestLimits,
-    ToolCall,
+    ToolDecisionCall,
     nth_sampling,
     parse_request,
 )
-from minicpm_pcd_adapters.server.completions import parse_completion
 from minicpm_pcd_adapters.server.errors import APIError
 from minicpm_pcd_adapters.server.guard import Guard
 from minicpm_pcd_adapters.server.jobs import (
@@ -65,6 +64,7 @@ from minicpm_pcd_adapters.server.jobs import (
     replayed,
     while_connected,
 )
+from minicpm_pcd_adapters.server.memory import MemoryReleaser
 from minicpm_pcd_adapters.server.metrics import ServerMetrics
 from minicpm_pcd_adapters.server.openapi import openapi_document
 from minicpm_pcd_adapters.server.protocol import (
@@ -77,6 +77,7 @@ from minicpm_pcd_adapters.server.protocol import (
     dump,
 )
 from minicpm_pcd_adapters.server.settings import ServerSettings
+from minicpm_pcd_adapters.server.text_completions import parse_completion
 from pcd_engine import (
     Generation,
     InputError,
@@ -115,10 +116,10 @@ class ClassifyRunner:
         return out
 
 
-class Completions:
+class CompletionEndpoints:
     """`POST /v1/chat/completions` and `POST /v1/completions`: a checked call, answered through the
     batcher, as JSON or events. Both protocols read into the same calls (a completion's prompts are
-    raw inputs), and their answers differ only in how they are written (`Completion(text=...)`)."""
+    raw inputs), and their answers differ only in how they are written (`ResponseWriter(text=...)`)."""
 
     def __init__(
         self,
@@ -152,7 +153,7 @@ class Completions:
             except ValueError as error:
                 raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
             call = parse(body)
-            kind = {ClassifyCall: "classify", ToolCall: "tools"}.get(type(call), "generate")
+            kind = {ClassifyCall: "classify", ToolDecisionCall: "tools"}.get(type(call), "generate")
             if call.model != self.settings.model_name:
                 served = self.settings.model_name
                 message = f"the model {call.model!r} does not exist; this server serves {served!r}"
@@ -161,7 +162,7 @@ class Completions:
                 await self._check_grammar(call)
             if isinstance(call, ClassifyCall):
                 response = await self._classify(call, request)
-            elif isinstance(call, ToolCall):
+            elif isinstance(call, ToolDecisionCall):
                 response = await self._tool_call(call, request)
             elif call.stream:
                 response = await self._stream_generation(call)
@@ -201,7 +202,7 @@ class Completions:
             message = f"{call.grammar_param}: {error}"
             raise APIError(400, message, param=call.grammar_param, code="invalid_grammar") from None
 
-    async def _tool_call(self, call: ToolCall, request: Request) -> Response:
+    async def _tool_call(self, call: ToolDecisionCall, request: Request) -> Response:
         """A tool decision (or text answer, or the one tool a choice names) per choice, on the model
         worker; the tools' parameters are checked first, before any model work."""
         try:
@@ -239,7 +240,7 @@ class Completions:
         choices = [generated_choice(a, i, call.logprobs) for i, a in enumerate(answers)]
         prompt_tokens = sum(a.prompt_tokens for a in answers[:: call.n])
         total = usage(prompt_tokens, sum(a.completion_tokens for a in answers))
-        return JSONResponse(Completion(call.model, bool(call.prompts)).body(choices, total))
+        return JSONResponse(ResponseWriter(call.model, bool(call.prompts)).body(choices, total))
 
     async def _stream_generation(self, call: GenerateCall) -> Response:
         """Pieces go from the model worker to the event loop through a queue; the HTTP status is
@@ -299,7 +300,7 @@ async def _generated_chunks(
     call: GenerateCall, first: Any, pieces: asyncio.Queue[Any], leave: threading.Event
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed generation: per choice its role, its text pieces, its finish."""
-    completion = Completion(call.model, bool(call.prompts))
+    completion = ResponseWriter(call.model, bool(call.prompts))
     item, prompt_tokens, completion_tokens, opened = first, 0, 0, set()
     try:
         while item is not None:
@@ -338,8 +339,9 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,
         on_batch=metrics.on_batch,
+        after_job=(memory := MemoryReleaser(engine.prefix_cache)),
     )
-    completions = Completions(engine, settings, batcher, metrics, calibrations)
+    completions = CompletionEndpoints(engine, settings, batcher, metrics, calibrations)
     created = int(time.time())
 
     @asynccontextmanager
@@ -353,6 +355,7 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="minicpm-pcd", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.batcher, app.state.metrics = engine, batcher, metrics
+    app.state.memory = memory
     app.openapi = functools.cache(lambda: openapi_document(app.routes, settings, __version__))  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -411,10 +414,10 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _answered(call: ClassifyCall | ToolCall, answers: list[Choice], tokens: Usage) -> Response:
+def _answered(call: ClassifyCall | ToolDecisionCall, answers: list[Choice], tokens: Usage) -> Response:
     """Whole answers as one completion, or replayed as stream events: a structured answer or a
     decision is known only when whole, so each choice is one content (or tool call) chunk."""
-    completion = Completion(call.model, isinstance(call, ClassifyCall) and bool(call.prompts))
+    completion = ResponseWriter(call.model, isinstance(call, ClassifyCall) and bool(call.prompts))
     if not call.stream:
         return JSONResponse(completion.body(answers, tokens))
     chunks = [completion.chunk([choice]) for answer in answers for choice in delta_chunks(answer)]

@@ -39,7 +39,8 @@ class _Waiting:
 
 class Batcher:
     """Groups payloads by key and runs `run(key, payloads) -> results` (one result per payload, in
-    order) on the model worker. `on_batch(size, dropped)` reports each job run."""
+    order) on the model worker. `on_batch(size, dropped)` reports each job run; `after_job()` runs on
+    the worker after each job, batched or exclusive (memory.MemoryReleaser)."""
 
     def __init__(
         self,
@@ -49,12 +50,14 @@ class Batcher:
         max_batch: int = 64,
         max_queue: int = 256,
         on_batch: Callable[[int, int], None] | None = None,
+        after_job: Callable[[], None] | None = None,
     ) -> None:
         if window_s < 0 or max_batch < 1 or max_queue < 1:
             raise ValueError("window_s must be >= 0, max_batch and max_queue >= 1")
         self._run = run
         self.window_s, self.max_batch, self.max_queue = window_s, max_batch, max_queue
         self._on_batch = on_batch
+        self._after_job = after_job
         self._pending: dict[Hashable, list[_Waiting]] = {}
         self._waiting = 0  # requests queued and not yet handed to the model
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pcd-model")
@@ -88,10 +91,18 @@ class Batcher:
             async with self._lock():
                 self._waiting -= 1
                 started = True
-                return await asyncio.get_running_loop().run_in_executor(self._worker, work)
+                return await asyncio.get_running_loop().run_in_executor(self._worker, self._job, work)
         finally:
             if not started:
                 self._waiting -= 1
+
+    def _job(self, work: Callable[..., R], *args: Any) -> R:
+        """`work(*args)` on the model worker, then `after_job`, whatever became of the work."""
+        try:
+            return work(*args)
+        finally:
+            if self._after_job is not None:
+                self._after_job()
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -127,7 +138,8 @@ class Batcher:
             if not live:
                 return
             try:
-                results = await loop.run_in_executor(self._worker, self._run, key, [w.payload for w in live])
+                payloads = [w.payload for w in live]
+                results = await loop.run_in_executor(self._worker, self._job, self._run, key, payloads)
             except asyncio.CancelledError:  # the server is shutting down
                 for w in live:
                     w.future.cancel()

@@ -5,7 +5,7 @@ checked into a call. No web framework and no model here; `answers.py` writes the
 (`conversation_of`) and returns one of:
 - `ClassifyCall`: a `json_schema` response format or a choice: the engine classifies the conversation
   with that schema;
-- `ToolCall`: tools to call (`engine.tools.call`): the model chooses between them ("auto", or
+- `ToolDecisionCall`: tools to call (`engine.tools.call`): the model chooses between them ("auto", or
   "required" between several), or must call one (a named tool, or "required" with one tool);
 - `GenerateCall`: plain chat, or `json_object` (grammar-constrained JSON).
 
@@ -90,7 +90,7 @@ class ClassifyCall:
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ToolDecisionCall:
     """Decide between `tools` (and a text answer under "auto") for `conversation`, or call the one
     tool a choice names: `engine.tools.call`."""
 
@@ -138,7 +138,7 @@ def nth_sampling(sampling: Sampling, index: int) -> Sampling:
 
 def parse_request(
     body: Any, limits: RequestLimits, default_max_tokens: int = 512
-) -> ClassifyCall | GenerateCall | ToolCall:
+) -> ClassifyCall | GenerateCall | ToolDecisionCall:
     """The call a Chat Completions body asks for; APIError (400) for anything not honoured."""
     request = read_body(ChatCompletionRequest, body)
     constraint = read_constraint(request)
@@ -158,7 +158,7 @@ def parse_request(
     abstain = request.pcd.abstain_below if request.pcd else None
     if decided is not None:
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-        return ToolCall(
+        return ToolDecisionCall(
             request.model, conversation, tools, decided, sampling, max_tokens, n, abstain, stream, usage,
             logprobs, _tool_param(request),
         )  # fmt: skip

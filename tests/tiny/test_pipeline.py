@@ -19,7 +19,7 @@ def test_the_phases_by_hand_give_classify_s_fields(engine):
     requests = pipeline.render(plan, TEXTS)
     pipeline.score(plan, requests)
     pipeline.rescore(plan, requests)
-    pipeline.calibrate(plan, requests, abstain_below=0.9)
+    pipeline.apply_calibration(plan, requests, abstain_below=0.9)
     for text, request in zip(TEXTS, requests, strict=True):
         assert isinstance(request, Request)
         result = engine.classify(text, Ticket, abstain_below=0.9)
@@ -34,7 +34,7 @@ def test_a_calibration_fitted_on_the_batch_is_phase_four_s(engine):
     plan = engine.pipeline.plan(Ticket)
     requests = engine.pipeline.render(plan, TEXTS)
     engine.pipeline.score(plan, requests)
-    engine.pipeline.calibrate(plan, requests, batch=True)
+    engine.pipeline.apply_calibration(plan, requests, batch=True)
     batched = engine.classify_batch(TEXTS, Ticket, calibrate="batch")
     for request, result in zip(requests, batched, strict=True):
         assert isinstance(request, Request) and not isinstance(result, Exception)
@@ -49,7 +49,7 @@ def test_every_phase_skips_an_input_that_failed_to_render(engine):
     assert isinstance(items[1], InputError) and "text #1" in str(items[1])
     engine.pipeline.score(plan, items)
     engine.pipeline.rescore(plan, items)
-    engine.pipeline.calibrate(plan, items, abstain_below=0.5)
+    engine.pipeline.apply_calibration(plan, items, abstain_below=0.5)
     assert all(isinstance(items[k], Request) and items[k].fields for k in (0, 2))
     with pytest.raises(InputError):
         engine.pipeline.render(plan, ["   "])

@@ -1,6 +1,7 @@
 """Caches keyed by what clients send stay bounded: 1,000 distinct schemas and system texts through a
-real `pcd serve` (tiny model) leave every cache at its limit, as /metrics says; `clear_caches` empties
-them and the next request is answered as before."""
+real `pcd serve` (tiny model) leave every cache at its limit, as /metrics says, and the memory the
+prefix cache evicted is handed back to the system; `clear_caches` empties them and the next request is
+answered as before."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from minicpm_pcd_adapters.server.app import create_app
 from minicpm_pcd_adapters.server.settings import ServerSettings
-from pcd_engine import PCDEngine
+from pcd_engine import PCDEngine, PrefixCache
 from pcd_engine.output_types import DICT_MODELS
 from tests.helpers import served
 
@@ -44,8 +45,12 @@ def cache_metrics(url: str) -> dict[str, dict[str, float]]:
 def test_a_thousand_distinct_schemas_and_system_texts_leave_the_caches_at_their_limits(
     tiny_model, tiny_tokenizer
 ):
-    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option")
+    measured = PCDEngine(tiny_model, tiny_tokenizer, rule="option")
+    measured.classify("hi", body(0)["response_format"]["json_schema"]["schema"])
+    head_bytes = measured.prefix_cache.nbytes  # one head's KV: the cache below keeps 8 and evicts
+    engine = PCDEngine(tiny_model, tiny_tokenizer, rule="option", prefix_cache=PrefixCache(8 * head_bytes))
     app = create_app(engine, ServerSettings(model_name="tiny", batch_window_ms=1))
+    app.state.memory.every_bytes = 100 * head_bytes
     with served(app) as url:
 
         async def send_all() -> list[int]:
@@ -65,6 +70,9 @@ def test_a_thousand_distinct_schemas_and_system_texts_leave_the_caches_at_their_
             held, bound = sizes[name]
             assert held == bound < REQUESTS, name
         assert sizes["prefix_bytes"][0] <= sizes["prefix_bytes"][1]
+        evicted = engine.prefix_cache.stats.evicted_bytes
+        assert evicted > REQUESTS // 2 * head_bytes  # most heads were dropped again: the cache stays full
+        assert 5 <= app.state.memory.trims <= evicted // (100 * head_bytes)  # a trim per 100 heads dropped
         assert sizes["grammar_bytes"][0] <= sizes["grammar_bytes"][1]
         published = cache_metrics(url)
         assert published["pcd_cache_size"]["plans"] == sizes["plans"][0]

@@ -99,3 +99,19 @@ def test_result_json_carries_the_decision_and_arguments(engine):
     assert data["tool"] == result.tool
     assert set(data["decision"]["probabilities"]) == {"get_weather", "search", "Refund"}
     assert data["forward_calls"] >= 1 and data["needs_review"] is False
+
+
+def test_unknown_options_are_refused_by_name_before_model_work(engine):
+    counter = ForwardCounter(engine.model.model)
+    try:
+        with pytest.raises(TypeError, match=r"'toolchoice'; the options are abstain_below, .*tool_choice"):
+            engine.tools.call(ASKED, TOOLS, toolchoice="required")  # type: ignore[call-arg]
+        with pytest.raises(
+            TypeError, match="'abstain_below'; the options are instructions, rule, tool_choice"
+        ):
+            engine.tools.calibrate(TOOLS, [ASKED], ["search"], abstain_below=0.5)  # type: ignore[call-arg]
+        with pytest.raises(InputError, match="unknown sampling option 'top_k'; the options are grammar, "):
+            engine.generate(ASKED, top_k=5)  # type: ignore[call-arg]
+    finally:
+        counter.close()
+    assert counter.rows == []
