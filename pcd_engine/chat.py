@@ -195,8 +195,8 @@ class ChatMixin:
         assistant's text out. The options are `GenerateOptions`.
 
         `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
-        is greedy unless `sampling` or `temperature=`, `top_p=`, `min_p=`, `repetition_penalty=`,
-        `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
+        is greedy unless `sampling` or `temperature=`, `top_p=`, `top_k=`, `min_p=`,
+        `repetition_penalty=`, `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
         for a schema, use `classify`), `grammar=` to a regex, an EBNF grammar or a JSON schema
         (`Grammar`); either can still end at `max_tokens` before the text is complete. `messages`
         may be a `RawPrompt`: its text is continued as written, with no chat template.

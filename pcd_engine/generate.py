@@ -45,6 +45,7 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # sample from the k most probable tokens only; 0: all of them
 
     def __post_init__(self) -> None:
         checks = {
@@ -52,6 +53,7 @@ class Sampling:
             "top_p": 0 < self.top_p <= 1,
             "min_p": 0 <= self.min_p < 1,
             "repetition_penalty": self.repetition_penalty > 0,
+            "top_k": isinstance(self.top_k, int) and self.top_k >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -69,7 +71,7 @@ class Sampling:
             "do_sample": True,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "top_k": 0,
+            "top_k": self.top_k,
             "min_p": self.min_p or None,
             "repetition_penalty": self.repetition_penalty,
         }

@@ -56,8 +56,9 @@ class GenerateOptions(TypedDict, total=False):
     max_tokens: int  # the longest answer, in tokens (512)
     stop: Sequence[str] | str | None  # strings that end the answer, not included (none)
     sampling: Sampling | None  # decoding (the engine's: greedy unless it was built otherwise)
-    temperature: float  # these five override one field of `sampling` each
+    temperature: float  # these six override one field of `sampling` each
     top_p: float
+    top_k: int
     min_p: float
     repetition_penalty: float
     seed: int | None
@@ -67,7 +68,7 @@ class GenerateOptions(TypedDict, total=False):
     tools: Sequence[Any]  # shown to a template with a tool protocol; no call is decided (none)
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
 
 class ToolPlanOptions(TypedDict, total=False):

@@ -158,6 +158,16 @@ class ChatPrompt:
             raise RuntimeError(f"tokenizer produced control token ids {sorted(leaked)} from plain text")
         return ids
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids back to text, control tokens written out (what `/detokenize` answers)."""
+        with _ENCODING:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the tokenizer's vocabulary writes it (byte-level pieces as they are)."""
+        with _ENCODING:
+            return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(ids))]
+
     def render(self, system: str, text: str) -> PromptIds:
         return self.with_head(self.render_head(system), text)
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minicpm_pcd_adapters.by_name import load_engine
-from minicpm_pcd_adapters.cli.options import engine_options, model_options
+from minicpm_pcd_adapters.by_name import load_engine, load_schema
+from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, engine_options, fail, model_options
 from minicpm_pcd_adapters.server.settings import ServerSettings
-from pcd_engine import Calibration, PCDError
+from pcd_engine import Calibration
 
 
 def add_parser(sub: Any) -> None:
@@ -53,6 +53,9 @@ def add_parser(sub: Any) -> None:
     add("--num-gpus", type=float, default=0, help="with --ray: GPUs per replica (default 0)")
     add("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
         "(repeatable; default: CORS off)")  # fmt: skip
+    add("--schema", default=None, help="the schema POST /classify answers with (vLLM's classification "
+        "API): module:Class, path/to/file.py:Class or a JSON-schema file; planned before the port "
+        "opens")  # fmt: skip
     add("--calibration", nargs="+", default=[], metavar="FILE", help="calibration files (`pcd calibrate`): "
         "each is checked against the model before the port opens (a mismatch exits 2); a structured "
         "request uses the one fitted for its schema and instructions (GET /v1/calibrations)")  # fmt: skip
@@ -83,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
         max_completion_tokens=args.max_completion_tokens,
         cors_origins=tuple(args.cors_origin),
         calibrations=tuple(str(Path(f).resolve()) for f in args.calibration),  # for Ray replicas too
+        schema=_resolved(args.schema),
     )
     options = {
         **engine_options(args),
@@ -95,15 +99,16 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
     if args.ray:
         return _serve_on_ray(args, settings, options)  # each replica's load_engine drops Nones
-    try:  # options and calibration files before the model loads; the model's match before serving
+    try:  # options, schema and calibration files before the model loads; the model's match before serving
         settings.check()
+        if settings.schema is not None:
+            load_schema(settings.schema)
         for path in settings.calibrations:
             Calibration.load(path)
         engine = load_engine(args.model, **options)
         app = create_app(engine, settings)
-    except (PCDError, ValueError, OSError) as error:
-        print(f"pcd: error: {error}", file=sys.stderr)
-        return 2
+    except SETUP_ERRORS as error:
+        return fail(error)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -135,6 +140,16 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, options: d
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _resolved(spec: str | None) -> str | None:
+    """A --schema with its file made absolute (a Ray replica runs elsewhere); module:Class as given."""
+    if spec is None:
+        return None
+    if spec.endswith(".json"):
+        return str(Path(spec).resolve())
+    module, sep, name = spec.rpartition(":")
+    return f"{Path(module).resolve()}:{name}" if sep and module.endswith(".py") else spec
 
 
 def _loopback(host: str) -> bool:

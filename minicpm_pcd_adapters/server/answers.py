@@ -95,6 +95,9 @@ def classified_message(
     answer = result.to_json()
     if call.answer == "choice":  # vLLM's `choice`: the chosen string alone
         message = AssistantMessage(role="assistant", content=answer["value"][CHOICE_FIELD], refusal=None)
+    elif call.answer == "enum":  # a root-enum schema: the chosen value as JSON (`"billing"`, `3`)
+        content = json.dumps(answer["value"][CHOICE_FIELD], ensure_ascii=False)
+        message = AssistantMessage(role="assistant", content=content, refusal=None)
     else:
         content = json.dumps(answer["value"], ensure_ascii=False)
         message = AssistantMessage(role="assistant", content=content, refusal=None)

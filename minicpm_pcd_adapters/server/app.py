@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions   structured answers scored by PCD, plain chat, JSON mode, streaming
     POST /v1/completions        the same after raw prompts (no chat template), a list in one batch
+    POST /classify, /v1/classify  vLLM's classification API, with the schema of `--schema`
+    POST /tokenize, /detokenize   vLLM's shapes: a prompt or chat messages as the engine renders them
     GET  /v1/models, /v1/models/{id}, /v1/calibrations, /health, /metrics (Prometheus)
     GET  /openapi.json (the request and response bodies, `server/openapi.py`)
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minicpm_pcd_adapters.by_name import load_schema
 from minicpm_pcd_adapters.server.answers import (
     ResponseWriter,
     choice_delta,
@@ -46,9 +48,10 @@ from minicpm_pcd_adapters.server.answers import (
     tool_message,
     usage,
 )
-from minicpm_pcd_adapters.server.batching import Batcher, QueueFull
+from minicpm_pcd_adapters.server.batching import Batcher
 from minicpm_pcd_adapters.server.calibrations import Calibrations
 from minicpm_pcd_adapters.server.calls import (
+    ChatTemplate,
     ClassifyCall,
     GenerateCall,
     RequestLimits,
@@ -56,11 +59,14 @@ from minicpm_pcd_adapters.server.calls import (
     nth_sampling,
     parse_request,
 )
+from minicpm_pcd_adapters.server.classification import ClassificationEndpoint, ServedSchema
 from minicpm_pcd_adapters.server.errors import APIError
 from minicpm_pcd_adapters.server.guard import Guard
 from minicpm_pcd_adapters.server.jobs import (
     engine_error,
     event_stream,
+    json_body,
+    queued,
     replayed,
     while_connected,
 )
@@ -78,6 +84,7 @@ from minicpm_pcd_adapters.server.protocol import (
 )
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from minicpm_pcd_adapters.server.text_completions import parse_completion
+from minicpm_pcd_adapters.server.tokens import TokenEndpoints
 from pcd_engine import (
     Generation,
     InputError,
@@ -134,11 +141,13 @@ class CompletionEndpoints:
         self.limits = RequestLimits(
             max_text_chars=settings.max_text_chars, max_completion_tokens=settings.max_completion_tokens
         )
+        template = str(getattr(engine.tokenizer, "chat_template", None) or "")
+        self.template = ChatTemplate(template, engine.prompt.template_kwargs)
 
     async def answer(self, request: Request) -> Response:
         """`POST /v1/chat/completions`."""
         return await self._answer(
-            request, lambda body: parse_request(body, self.limits, self.settings.max_tokens)
+            request, lambda body: parse_request(body, self.limits, self.settings.max_tokens, self.template)
         )
 
     async def answer_text(self, request: Request) -> Response:
@@ -148,11 +157,7 @@ class CompletionEndpoints:
     async def _answer(self, request: Request, parse: Any) -> Response:
         started, kind, status = time.perf_counter(), "other", 500
         try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as error:
-                raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
-            call = parse(body)
+            call = parse(await json_body(request))
             kind = {ClassifyCall: "classify", ToolDecisionCall: "tools"}.get(type(call), "generate")
             if call.model != self.settings.model_name:
                 served = self.settings.model_name
@@ -192,7 +197,10 @@ class CompletionEndpoints:
                 raise engine_error(result, "prompt" if call.prompts else "messages")
         used = self.calibrations.describe(call.calibration)
         answers = [classified_message(call, r, i, used) for i, r in enumerate(results)]
-        return _answered(call, answers, classified_usage(results, call.n))
+        tokens = classified_usage(results, call.n)
+        self.metrics.on_answers(call.schema, results)
+        self.metrics.on_tokens(tokens.prompt_tokens, tokens.completion_tokens)
+        return _answered(call, answers, tokens)
 
     async def _check_grammar(self, call: GenerateCall) -> None:
         assert call.grammar is not None
@@ -227,6 +235,7 @@ class CompletionEndpoints:
         results = await while_connected(request, self._queued(self.batcher.exclusive(decide)))
         answers = [tool_message(call, r, i) for i, r in enumerate(results)]
         tokens = usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results))
+        self.metrics.on_tokens(tokens.prompt_tokens, tokens.completion_tokens)
         return _answered(call, answers, tokens)
 
     async def _generate(self, call: GenerateCall, request: Request) -> Response:
@@ -240,6 +249,7 @@ class CompletionEndpoints:
         choices = [generated_choice(a, i, call.logprobs) for i, a in enumerate(answers)]
         prompt_tokens = sum(a.prompt_tokens for a in answers[:: call.n])
         total = usage(prompt_tokens, sum(a.completion_tokens for a in answers))
+        self.metrics.on_tokens(total.prompt_tokens, total.completion_tokens)
         return JSONResponse(ResponseWriter(call.model, bool(call.prompts)).body(choices, total))
 
     async def _stream_generation(self, call: GenerateCall) -> Response:
@@ -281,23 +291,18 @@ class CompletionEndpoints:
             await job
             param = "prompt" if call.prompts else "messages"
             raise engine_error(first, param) if isinstance(first, PCDError) else first
-        return event_stream(_generated_chunks(call, first, pieces, leave))
+        return event_stream(_generated_chunks(call, first, pieces, leave, self.metrics))
 
     async def _queued(self, work: Any) -> Any:
-        try:
-            return await work
-        except PCDError as error:  # a plain chat call's inputs, checked on the worker before generating
-            raise engine_error(error) from None
-        except QueueFull as error:
-            message = f"the server is busy: {error}; retry later"
-            raise APIError(503, message, type="server_error", code="overloaded") from None
-        except asyncio.TimeoutError:  # a request still queued is dropped from its batch
-            message = f"the request was not answered within {self.settings.request_timeout_s} s"
-            raise APIError(504, message, type="server_error", code="timeout") from None
+        return await queued(work, self.settings.request_timeout_s)
 
 
 async def _generated_chunks(
-    call: GenerateCall, first: Any, pieces: asyncio.Queue[Any], leave: threading.Event
+    call: GenerateCall,
+    first: Any,
+    pieces: asyncio.Queue[Any],
+    leave: threading.Event,
+    metrics: ServerMetrics,
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed generation: per choice its role, its text pieces, its finish."""
     completion = ResponseWriter(call.model, bool(call.prompts))
@@ -326,6 +331,7 @@ async def _generated_chunks(
             yield completion.chunk([], usage(prompt_tokens, completion_tokens))
     finally:
         leave.set()
+        metrics.on_tokens(prompt_tokens, completion_tokens)
 
 
 def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
@@ -342,11 +348,18 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         after_job=(memory := MemoryReleaser(engine.prefix_cache)),
     )
     completions = CompletionEndpoints(engine, settings, batcher, metrics, calibrations)
+    served = ServedSchema.of(load_schema(settings.schema), engine) if settings.schema else None
+    served_calibration = calibrations.match(engine.plan(served.schema)) if served else None
+    classification = ClassificationEndpoint(
+        served, settings, completions.limits, batcher, metrics, served_calibration, calibrations
+    )
+    tokens = TokenEndpoints(engine, settings.model_name, completions.limits)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         hook = engine.model.register_forward_pre_hook(lambda *_: metrics.forward_calls.inc())
+        batcher.start()
         try:
             yield
         finally:
@@ -377,16 +390,26 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         body = APIError(500, f"internal error: {type(error).__name__}", type="server_error").body()
         return JSONResponse(body, status_code=500)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return dump(Health(status="ok", model=settings.model_name, queue_depth=batcher.depth))
+    @app.get("/health", responses={503: {"model": Health}})
+    async def health() -> JSONResponse:
+        """200 while the model worker takes work; 503 before the server has started or once the
+        worker has stopped, so that a load balancer or Kubernetes probe takes it out of rotation."""
+        state = batcher.state
+        answer = Health(status=state, model=settings.model_name, queue_depth=batcher.depth)
+        return JSONResponse(dump(answer), status_code=200 if state == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> ModelCard:
-        return ModelCard(id=settings.model_name, object="model", created=created, owned_by="minicpm-pcd")
+        return ModelCard(
+            id=settings.model_name,
+            object="model",
+            created=created,
+            owned_by="minicpm-pcd",
+            max_model_len=engine.limits.max_prompt_tokens,
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -405,6 +428,10 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
 
     app.post("/v1/chat/completions")(completions.answer)
     app.post("/v1/completions")(completions.answer_text)
+    app.post("/classify")(classification)
+    app.post("/v1/classify")(classification)
+    app.post("/tokenize")(tokens.tokenize)
+    app.post("/detokenize")(tokens.detokenize)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

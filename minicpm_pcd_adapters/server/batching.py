@@ -21,9 +21,10 @@ import asyncio
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 R = TypeVar("R")
+State = Literal["starting", "ok", "stopped"]
 
 
 class QueueFull(Exception):
@@ -63,6 +64,16 @@ class Batcher:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pcd-model")
         self._turn: asyncio.Lock | None = None  # created on the server's loop
         self._tasks: set[asyncio.Task[None]] = set()
+        self._started = self._closed = False
+
+    @property
+    def state(self) -> State:
+        """ "starting" until `start()` (the server's start-up), "ok" while the worker takes work,
+        "stopped" once it has been closed (what /health answers)."""
+        return "stopped" if self._closed else "ok" if self._started else "starting"
+
+    def start(self) -> None:
+        self._started = True
 
     @property
     def depth(self) -> int:
@@ -105,6 +116,7 @@ class Batcher:
                 self._after_job()
 
     def close(self) -> None:
+        self._closed = True
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _admit(self) -> None:

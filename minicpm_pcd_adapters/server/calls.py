@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +32,13 @@ from minicpm_pcd_adapters.server.constraints import (
     Constraint,
     choice_schema,
     read_constraint,
+    schema_answer,
 )
 from minicpm_pcd_adapters.server.errors import APIError, read_body
 from minicpm_pcd_adapters.server.protocol import (
     ChatCompletionRequest,
     MediaPart,
+    Message,
     NamedToolChoice,
     ResponseFormat,
     TextPart,
@@ -66,7 +69,7 @@ class ClassifyCall:
     schema_param: str = "response_format.json_schema.schema"  # where errors in the schema point
     calibration: str | None = None  # the name of the loaded calibration that matched, if any
     logprobs: int | None = None  # answer with `choice.logprobs`, k alternatives each; None: not asked
-    answer: str = "json"  # "choice": the content is the chosen value alone (vLLM's `choice`)
+    answer: str = "json"  # "choice": the chosen value alone (vLLM's `choice`); "enum": it as JSON
     prompts: tuple[RawPrompt, ...] = ()  # /v1/completions: raw prompts, classified instead of `text`
 
     @property
@@ -137,23 +140,29 @@ def nth_sampling(sampling: Sampling, index: int) -> Sampling:
 
 
 def parse_request(
-    body: Any, limits: RequestLimits, default_max_tokens: int = 512
+    body: Any, limits: RequestLimits, default_max_tokens: int = 512, template: ChatTemplate | None = None
 ) -> ClassifyCall | GenerateCall | ToolDecisionCall:
-    """The call a Chat Completions body asks for; APIError (400) for anything not honoured."""
+    """The call a Chat Completions body asks for; APIError (400) for anything not honoured.
+    `template`: the served chat template, against which `chat_template_kwargs` are checked."""
     request = read_body(ChatCompletionRequest, body)
     constraint = read_constraint(request)
+    asked = requested_schema(request.response_format, constraint)
     if constraint is not None:
-        _alone(constraint, request)
+        _alone(constraint, request, asked)
     decided = _tool_choice(request)
     _refuse_unsupported(request, limits)
-    conversation = conversation_of(request, limits)
+    if request.chat_template_kwargs:
+        (template or ChatTemplate()).check(request.chat_template_kwargs)
+    conversation = conversation_of(request.messages, limits)
     sampling = request_sampling(request)
     n = request.n or 1
     stream = bool(request.stream)
     usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None  # the engine's `logprobs=`
+    logprobs = (
+        (request.top_logprobs or 0) if request.logprobs else request.n_probs
+    )  # the engine's `logprobs=`
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     abstain = request.pcd.abstain_below if request.pcd else None
     if decided is not None:
@@ -162,32 +171,87 @@ def parse_request(
             request.model, conversation, tools, decided, sampling, max_tokens, n, abstain, stream, usage,
             logprobs, _tool_param(request),
         )  # fmt: skip
-    if constraint is not None and constraint.kind in ("choice", "json"):
-        schema = choice_schema(constraint.value) if constraint.kind == "choice" else constraint.value
-        answer = "choice" if constraint.kind == "choice" else "json"
+    if constraint is not None and constraint.kind == "choice":
         return ClassifyCall(
-            request.model, schema, conversation, sampling, n, abstain, stream, usage, constraint.param,
-            logprobs=logprobs, answer=answer,
+            request.model, choice_schema(constraint.value), conversation, sampling, n, abstain, stream,
+            usage, constraint.param, logprobs=logprobs, answer="choice",
+        )  # fmt: skip
+    scored = schema_answer(asked[0]) if asked is not None else None
+    if asked is not None and scored is not None:
+        return ClassifyCall(
+            request.model, scored[0], conversation, sampling, n, abstain, stream, usage, asked[1],
+            logprobs=logprobs, answer=scored[1],
         )  # fmt: skip
     format_ = request.response_format
-    if format_ is not None and format_.type == "json_schema":
-        return ClassifyCall(
-            request.model, format_schema(format_), conversation, sampling, n, abstain, stream, usage,
-            "response_format.json_schema.schema", logprobs=logprobs,
-        )  # fmt: skip
-    json_object = format_ is not None and format_.type == "json_object"
+    json_object = (format_ is not None and format_.type == "json_object") or asked is not None  # `{}`
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     grammar, grammar_param = (constraint.grammar(), constraint.param) if constraint else (None, None)
+    if constraint is not None and constraint.kind == "json":  # `{}` as a constraint: any JSON object
+        json_object, grammar = True, None
     return GenerateCall(
         request.model, conversation, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs,
         grammar, grammar_param,
     )  # fmt: skip
 
 
-def _alone(constraint: Constraint, request: ChatCompletionRequest) -> None:
-    """A 400 naming both when a constraint comes with a response format or tools to call."""
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The served chat template's text and the switches every prompt is rendered with, against
+    which a request's `chat_template_kwargs` are checked (`check`)."""
+
+    text: str = ""
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def check(self, asked: Mapping[str, Any]) -> None:
+        """A switch the template does not read is ignored (as vLLM does); one it reads must have the
+        value the server renders with, since scored answers are computed on one cached prompt head;
+        otherwise a 400 that says so."""
+        for key, value in asked.items():
+            if key not in self.text or self.kwargs.get(key) == value:
+                continue
+            served = f"{key}={self.kwargs[key]!r}" if key in self.kwargs else f"the template's default {key}"
+            message = (
+                f"chat_template_kwargs.{key}={value!r}: this server renders every prompt with {served} "
+                "(pcd serve's setting); a request cannot change it"
+            )
+            raise APIError(400, message, param=f"chat_template_kwargs.{key}", code="unsupported_value")
+
+
+def requested_schema(
+    format_: ResponseFormat | None, constraint: Constraint | None
+) -> tuple[dict[str, Any], str] | None:
+    """The JSON schema a request asks for and the parameter it came from: `response_format`'s
+    (OpenAI's `json_schema.schema`, or llama.cpp's and SGLang's `schema` beside the type), or a
+    constraint's (`json_schema`, `guided_json`, ...). The same schema sent both ways is one request;
+    two different ones are a 400."""
+    from_format = None
+    if format_ is not None and format_.type != "text":
+        if format_.schema_ is not None:
+            from_format = (_titled(format_.schema_, format_), "response_format.schema")
+        elif format_.type == "json_schema":
+            from_format = (format_schema(format_), "response_format.json_schema.schema")
+    from_constraint = None
+    if constraint is not None and constraint.kind == "json":
+        from_constraint = (constraint.value, constraint.param)
+    if (
+        from_format is not None
+        and from_constraint is not None
+        and _untitled(from_format[0], format_) != from_constraint[0]
+    ):
+        message = f"conflicting constraints: response_format and {from_constraint[1]}; give one"
+        raise APIError(400, message, param=from_constraint[1], code="conflicting_parameters")
+    return from_format or from_constraint
+
+
+def _alone(
+    constraint: Constraint, request: ChatCompletionRequest, asked: tuple[dict[str, Any], str] | None
+) -> None:
+    """A 400 naming both when a constraint comes with a response format or tools to call (a schema
+    constraint equal to the response format's schema is one request: `requested_schema`)."""
     format_ = request.response_format
     if format_ is not None and format_.type != "text":
+        if constraint.kind == "json" and asked is not None and asked[1] != constraint.param:
+            return  # the same schema both ways (requested_schema refused two different ones)
         other = "response_format"
     elif request.tools and request.tool_choice != "none":
         other = "tools"
@@ -222,14 +286,14 @@ def refuse_beyond_limits(request: Any, limits: RequestLimits, tokens_param: str,
         raise APIError(400, "stop takes at most 4 sequences", param="stop", code="invalid_value")
 
 
-def conversation_of(request: ChatCompletionRequest, limits: RequestLimits) -> Conversation:
-    """The request's messages as the engine's conversation: text parts joined (media refused), an
-    assistant's `tool_calls` with their ids, a tool result tied to its call by `tool_call_id`; 400
-    for a bad one, naming the message."""
+def conversation_of(messages: Sequence[Message], limits: RequestLimits) -> Conversation:
+    """A request's messages (chat, /tokenize) as the engine's conversation: text parts joined (media
+    refused), an assistant's `tool_calls` with their ids, a tool result tied to its call by
+    `tool_call_id`; 400 for a bad one, naming the message."""
     system: list[str] = []
     turns: list[Turn] = []
     total = 0
-    for index, message in enumerate(request.messages):
+    for index, message in enumerate(messages):
         content = message.content
         for number, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, MediaPart):
@@ -283,6 +347,11 @@ def _tool_choice(request: ChatCompletionRequest) -> Any:
     """The `tool_choice` the engine's tool caller gets ("auto", "required" or a named function), or
     None for no tools or "none" (plain chat, or a response format)."""
     tools, choice = request.tools or [], request.tool_choice
+    if request.tools is not None and not tools:
+        raise APIError(400, "tools must hold at least one tool; leave it out for none", param="tools")
+    if not tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        message = "tool_choice 'required' or a named tool needs tools: give the tools to call"
+        raise APIError(400, message, param="tool_choice", code="invalid_value")
     if not tools or choice == "none":
         return None
     if request.response_format is not None and request.response_format.type != "text":
@@ -309,10 +378,14 @@ def _tool_param(request: ChatCompletionRequest) -> str:
 
 
 def request_sampling(request: Any) -> Sampling:
-    """Temperature, top_p and seed of a chat or text completion request."""
+    """The sampling of a chat or text completion request: temperature, top_p, top_k (-1 and 0: off),
+    min_p, repetition_penalty and seed; each left out is the engine's default."""
     return Sampling(
         temperature=request.temperature or 0.0,
         top_p=request.top_p if request.top_p is not None else 1.0,
+        top_k=max(request.top_k or 0, 0),
+        min_p=request.min_p or 0.0,
+        repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
         seed=request.seed,
     )
 
@@ -320,13 +393,27 @@ def request_sampling(request: Any) -> Sampling:
 def format_schema(format_: ResponseFormat) -> dict[str, Any]:
     """The schema of a `json_schema` response format, its name and description as the schema's
     title and description where it has none (chat and completions alike)."""
+    if format_.schema_ is not None:
+        return _titled(format_.schema_, format_)
     if format_.json_schema is None:
         raise APIError(
             400, "response_format json_schema needs its json_schema object", param="response_format"
         )
-    schema = dict(format_.json_schema.schema_)
-    if format_.json_schema.name:
+    return _titled(format_.json_schema.schema_, format_)
+
+
+def _titled(schema: dict[str, Any], format_: ResponseFormat) -> dict[str, Any]:
+    schema = dict(schema)
+    if schema and format_.json_schema is not None and format_.json_schema.name:
         schema.setdefault("title", format_.json_schema.name)
-    if format_.json_schema.description:
+    if schema and format_.json_schema is not None and format_.json_schema.description:
         schema.setdefault("description", format_.json_schema.description)
     return schema
+
+
+def _untitled(schema: dict[str, Any], format_: ResponseFormat | None) -> dict[str, Any]:
+    """A response format's schema as sent (without the title and description its name gave)."""
+    if format_ is None or format_.json_schema is None:
+        return schema
+    sent = format_.schema_ if format_.schema_ is not None else format_.json_schema.schema_
+    return dict(sent)

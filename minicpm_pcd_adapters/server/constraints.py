@@ -116,6 +116,11 @@ def read_constraint(request: ConstrainedDecoding) -> Constraint | None:
             ("json_object", "structured_outputs.json_object", outputs.json_object or None),
         ]
     given = [(kind, param, value) for kind, param, value in found if value is not None]
+    if outputs is not None and not any(param.startswith("structured_outputs.") for _, param, _ in given):
+        message = (
+            "structured_outputs sets no constraint: give one of choice, json, regex, grammar, json_object"
+        )
+        raise APIError(400, message, param="structured_outputs", code="invalid_value")
     if len(given) > 1:
         first, second = given[0][1], given[1][1]
         message = f"conflicting constraints: {first} and {second}; give one"
@@ -135,6 +140,22 @@ def choice_schema(choices: tuple[str, ...] | list[str]) -> dict[str, Any]:
         "properties": {CHOICE_FIELD: field},
         "required": [CHOICE_FIELD],
     }
+
+
+def schema_answer(schema: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """How a requested JSON schema is answered: None for `{}` (any JSON object: generated under
+    xgrammar's JSON grammar); a root `enum` as a one-field schema scored whole, its answer the chosen
+    value as JSON ("enum"); any other schema as itself ("json")."""
+    if not schema:
+        return None
+    if "enum" in schema and "properties" not in schema:
+        values = schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise APIError(400, "a root enum must list at least one value", code="invalid_value")
+        field = {k: v for k, v in schema.items() if k in ("enum", "type", "description")}
+        one_field = {"type": "object", "properties": {CHOICE_FIELD: field}, "required": [CHOICE_FIELD]}
+        return {"title": schema.get("title", "Choice"), **one_field}, "enum"
+    return schema, "json"
 
 
 def _checked(kind: str, param: str, value: Any) -> Any:

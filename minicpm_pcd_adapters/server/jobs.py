@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from minicpm_pcd_adapters.server.batching import QueueFull
 from minicpm_pcd_adapters.server.errors import APIError
 from pcd_engine import (
     InputError,
@@ -52,6 +53,29 @@ async def while_connected(request: Request, work: Any) -> Any:
         task.cancel()
         raise APIError(499, "the client closed the connection", code="client_closed")
     return task.result()
+
+
+async def json_body(request: Request) -> Any:
+    """The request's body read as JSON; APIError (400) when it is not JSON."""
+    try:
+        return json.loads(await request.body())
+    except ValueError as error:
+        raise APIError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+
+
+async def queued(work: Any, timeout_s: float) -> Any:
+    """`work`'s result (a job given to the batcher), its refusals as HTTP errors: an engine error on
+    the worker (400), a full queue (503), a request not answered within `timeout_s` (504)."""
+    try:
+        return await work
+    except PCDError as error:  # a plain chat call's inputs, checked on the worker before generating
+        raise engine_error(error) from None
+    except QueueFull as error:
+        message = f"the server is busy: {error}; retry later"
+        raise APIError(503, message, type="server_error", code="overloaded") from None
+    except asyncio.TimeoutError:  # a request still queued is dropped from its batch
+        message = f"the request was not answered within {timeout_s} s"
+        raise APIError(504, message, type="server_error", code="timeout") from None
 
 
 async def replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

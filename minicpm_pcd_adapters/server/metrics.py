@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pcd_engine import PCDResult
+
 CacheSizes = Callable[[], dict[str, tuple[int, int]]]
+MAX_SCHEMA_LABELS = 64  # distinct schema titles on /metrics; the rest are counted as "other"
 
 
 class CacheCollector(Collector):
@@ -56,6 +60,42 @@ class ServerMetrics:
         self.forward_calls = Counter("pcd_forward_calls", "Forward calls of the model", registry=r)
         queue = Gauge("pcd_queue_depth", "Requests waiting for the model", registry=r)
         queue.set_function(queue_depth)
+        self.prompt_tokens = Counter("pcd_prompt_tokens", "Prompt tokens of answered requests", registry=r)
+        self.generation_tokens = Counter(
+            "pcd_generation_tokens", "Tokens generated (open fields, text answers)", registry=r
+        )
+        self.answers = Counter(
+            "pcd_structured_answers",
+            "Structured answers (/classify, response_format)",
+            ["schema"],
+            registry=r,
+        )
+        self.needs_review = Counter(
+            "pcd_needs_review_answers", "Structured answers with a field below its threshold", ["schema"],
+            registry=r,
+        )  # fmt: skip
+        self.abstained = Counter(
+            "pcd_abstained_fields", "Scored fields abstained on (below abstain_below)", ["schema"], registry=r
+        )
+        self._schemas: set[str] = set()
+
+    def on_tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+
+    def on_answers(self, schema: Mapping[str, Any], results: Sequence[PCDResult[Any]]) -> None:
+        """Count structured answers, those needing review and the fields abstained on, by the schema's
+        title (the first `MAX_SCHEMA_LABELS` titles seen; later ones as "other", so that clients
+        sending many schemas cannot grow /metrics without bound)."""
+        name = str(schema.get("title") or "untitled")[:64]
+        if name not in self._schemas:
+            if len(self._schemas) >= MAX_SCHEMA_LABELS:
+                name = "other"
+            else:
+                self._schemas.add(name)
+        self.answers.labels(name).inc(len(results))
+        self.needs_review.labels(name).inc(sum(r.needs_review for r in results))
+        self.abstained.labels(name).inc(sum(len(r.abstained_fields) for r in results))
 
     def on_batch(self, size: int, dropped: int) -> None:
         if size:

@@ -24,11 +24,17 @@ from minicpm_pcd_adapters.server.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Health,
     ModelCard,
     ModelList,
     TextCompletion,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from minicpm_pcd_adapters.server.settings import ServerSettings
 
@@ -43,6 +49,12 @@ MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
     (ModelCard, "serialization"),
     (ModelList, "serialization"),
     (CalibrationList, "serialization"),
+    (ClassificationRequest, "validation"),
+    (ClassificationResponse, "serialization"),
+    (TokenizeRequest, "validation"),
+    (TokenizeResponse, "serialization"),
+    (DetokenizeRequest, "validation"),
+    (DetokenizeResponse, "serialization"),
 ]
 
 ERRORS = {
@@ -87,6 +99,10 @@ def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dic
         _bound(request["n"], "integer", "maximum", limits.max_n)
         _bound(request["stop"], "array", "maxItems", 4)
     _bound(schemas["CompletionRequest"]["properties"]["prompt"], "array", "maxItems", limits.max_prompts)
+    for name in ("ClassificationRequest", "TokenizeRequest", "DetokenizeRequest"):  # optional here
+        model = schemas[name]["properties"]["model"]
+        model["anyOf"] = [{"type": "string", "enum": [settings.model_name]}, {"type": "null"}]
+    _bound(schemas["ClassificationRequest"]["properties"]["input"], "array", "maxItems", limits.max_prompts)
     schemas["TextCompletion"]["description"] += " With `stream: true`, the same objects as events."
     document.setdefault("components", {})["schemas"] = schemas
     paths = document["paths"]
@@ -98,6 +114,10 @@ def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dic
     }
     for path, name in body_of.items():
         _answers(paths[path]["get"], {200: _json(name)}, [401] if path != "/health" else [])
+    paths["/health"]["get"]["responses"]["503"] = {
+        "description": "not ready: the server is starting, or its model worker has stopped",
+        "content": {"application/json": _ref("Health")},
+    }
     paths["/v1/models/{model_id}"]["get"]["responses"]["404"] = _error(404)
     paths["/metrics"]["get"]["responses"] = {
         "200": {
@@ -121,6 +141,17 @@ def openapi_document(routes: Any, settings: ServerSettings, version: str) -> dic
             },
         }
         _answers(operation, {200: answer}, [400, 401, 404, 413, 499, 500, 503, 504])
+    posts = {
+        "/classify": ("ClassificationRequest", "ClassificationResponse"),
+        "/v1/classify": ("ClassificationRequest", "ClassificationResponse"),
+        "/tokenize": ("TokenizeRequest", "TokenizeResponse"),
+        "/detokenize": ("DetokenizeRequest", "DetokenizeResponse"),
+    }
+    for path, (request_name, answer_name) in posts.items():
+        operation = paths[path]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": _ref(request_name)}}
+        statuses = [400, 401, 404, 413, 499, 500, 503, 504] if "classify" in path else [400, 401, 404, 413]
+        _answers(operation, {200: _json(answer_name)}, statuses)
     if settings.api_key:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         document["security"] = [{"bearer": []}]

@@ -71,6 +71,7 @@ class JsonSchema(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's and SGLang's form
 
 
 class Function(_Strict):
@@ -126,6 +127,11 @@ class ChatCompletionRequest(ConstrainedDecoding):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 and 0: off, as vLLM and llama.cpp read them
+    n_probs: int | None = Field(default=None, ge=0, le=20)  # llama.cpp: alternatives per token
+    chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -153,10 +159,45 @@ class CompletionRequest(ConstrainedDecoding):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 and 0: off, as vLLM and llama.cpp read them
+    n_probs: int | None = Field(default=None, ge=0, le=20)  # llama.cpp: alternatives per token
     seed: int | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None  # vLLM takes it on completions too
     pcd: PCDOptions | None = None
+
+
+class ClassificationRequest(_Strict):
+    """`POST /classify` (and `/v1/classify`), vLLM's and SGLang's request: texts classified with the
+    schema the server was started with (`pcd serve --schema`)."""
+
+    model: str | None = None  # optional, as vLLM takes it; when given, the served model's id
+    input: str | list[str]
+    user: str | None = None
+    priority: int | None = None  # accepted, ignored: one queue
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # refused when set: never truncated
+    pcd: PCDOptions | None = None
+
+
+class TokenizeRequest(_Strict):
+    """`POST /tokenize`, vLLM's two forms: a `prompt` (tokenized as data, after the tokenizer's BOS
+    when `add_special_tokens`), or chat `messages` rendered with the chat template as every chat
+    request is (the assistant's start included)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # only true: every chat request is rendered up to the answer
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- answers -----------------------------------------------------------------------------------------
@@ -175,7 +216,10 @@ def dump(answer: BaseModel) -> dict[str, Any]:
 
 
 class Health(_Answer):
-    status: Literal["ok"]
+    """`GET /health`: 200 with "ok" while the model worker takes work; 503 with "starting" before the
+    server has started, "stopped" once its worker has shut down."""
+
+    status: Literal["ok", "starting", "stopped"]
     model: str
     queue_depth: int
 
@@ -185,11 +229,23 @@ class ModelCard(_Answer):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int | None = None  # the most prompt tokens the engine takes (Limits.max_prompt_tokens)
 
 
 class ModelList(_Answer):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Answer):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Answer):
+    prompt: str
 
 
 class CalibrationCard(_Answer):
@@ -341,6 +397,28 @@ class ChatCompletionChunk(_Answer):
     choices: list[ChunkChoice]
     usage: Usage | None = None  # on the last chunk, with stream_options.include_usage
     system_fingerprint: None = None
+
+
+class ClassificationData(_Answer):
+    """One text's answer: the first scored field's value (`label`) and its probabilities in the
+    schema's value order (`probs`); every field in the `pcd` extension."""
+
+    index: int
+    label: str  # the value as a JSON object key: strings as they are, others as JSON (true, 3)
+    probs: list[float]
+    num_classes: int
+    pcd: PCDExtension
+
+
+class ClassificationResponse(_Answer):
+    """`POST /classify`: one entry per input, in order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
 
 
 class TextLogprobs(_Answer):

@@ -22,6 +22,7 @@ class ServerSettings:
     max_completion_tokens: int = 4096  # the most a request may ask for (max_tokens); more: 400
     cors_origins: tuple[str, ...] = ()  # CORS is off unless origins are given
     calibrations: tuple[str, ...] = ()  # calibration files (`pcd calibrate`), checked at start-up
+    schema: str | None = None  # what /classify answers with: module:Class, file.py:Class or a .json file
 
     def check(self) -> None:
         """ValueError naming the first option out of range."""

@@ -24,18 +24,19 @@ from minicpm_pcd_adapters.server.calls import (
     ClassifyCall,
     GenerateCall,
     RequestLimits,
-    format_schema,
     refuse_beyond_limits,
     request_sampling,
+    requested_schema,
 )
 from minicpm_pcd_adapters.server.constraints import (
     Constraint,
     choice_schema,
     read_constraint,
+    schema_answer,
 )
 from minicpm_pcd_adapters.server.errors import APIError, read_body
 from minicpm_pcd_adapters.server.protocol import DEFAULT_MAX_TOKENS, CompletionRequest
-from pcd_engine import RawPrompt
+from pcd_engine import Grammar, RawPrompt
 
 
 def parse_completion(body: Any, limits: RequestLimits) -> ClassifyCall | GenerateCall:
@@ -50,19 +51,26 @@ def parse_completion(body: Any, limits: RequestLimits) -> ClassifyCall | Generat
     usage = bool(request.stream_options and request.stream_options.include_usage)
     abstain = request.pcd.abstain_below if request.pcd else None
     sampling = request_sampling(request)
-    if constraint is not None and constraint.kind in ("choice", "json"):
-        answer = "choice" if constraint.kind == "choice" else "json"
-        schema = choice_schema(constraint.value) if answer == "choice" else constraint.value
+    logprobs = request.logprobs if request.logprobs is not None else request.n_probs
+    scored = None
+    if constraint is not None and constraint.kind == "choice":
+        scored = (choice_schema(constraint.value), "choice")
+    elif constraint is not None and constraint.kind == "json":
+        scored = schema_answer(constraint.value)  # None: `{}`, any JSON object
+    if constraint is not None and scored is not None:
+        schema, answer = scored
         raw = tuple(RawPrompt(p, "value" if answer == "choice" else "json") for p in prompts)
         return ClassifyCall(
             request.model, schema, None, sampling, n, abstain, stream, usage, constraint.param,
-            logprobs=request.logprobs, answer=answer, prompts=raw,
+            logprobs=logprobs, answer=answer, prompts=raw,
         )  # fmt: skip
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     grammar, param = (constraint.grammar(), constraint.param) if constraint else (None, None)
+    if constraint is not None and constraint.kind == "json":  # `{}`
+        grammar = Grammar.json_object()
     return GenerateCall(
         request.model, None, request.max_tokens or DEFAULT_MAX_TOKENS, stop, sampling, False, n, stream,
-        usage, request.logprobs, grammar, param, tuple(prompts),
+        usage, logprobs, grammar, param, tuple(prompts),
     )  # fmt: skip
 
 
@@ -104,9 +112,10 @@ def _constraint(request: CompletionRequest) -> Constraint | None:
     format_ = request.response_format
     if format_ is None or format_.type == "text":
         return constraint
-    if constraint is not None:
+    if constraint is not None and constraint.kind != "json":
         message = f"conflicting constraints: response_format and {constraint.param}; give one"
         raise APIError(400, message, param=constraint.param, code="conflicting_parameters")
-    if format_.type == "json_object":
-        return Constraint("json_object", None, "response_format")
-    return Constraint("json", format_schema(format_), "response_format.json_schema.schema")
+    asked = requested_schema(format_, constraint)  # the same schema twice is one; two differ: 400
+    if asked is not None:
+        return Constraint("json", asked[0], asked[1])
+    return Constraint("json_object", None, "response_format")

@@ -1,10 +1,12 @@
 """Under smollm2/: `engine`, the PCDEngine on SmolLM2-135M-Instruct that the adapter and client tests
 share (the model loaded once per session; free text capped, since SmolLM2 loops when greedy), and
-`url` / `client`: one `pcd serve` on it for the session, on 127.0.0.1, with the API key `KEY`."""
+`url` / `client`: one `pcd serve` on it for the session, on 127.0.0.1, with the API key `KEY` and
+the README's `Ticket` (examples/ticket.py) as the schema `/classify` answers with."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -17,7 +19,9 @@ from tests.helpers import KEY, served, smollm2_engine
 @pytest.fixture(scope="session")
 def url() -> Iterator[str]:
     """The base URL (`.../v1`) of one `pcd serve` on SmolLM2 for the whole session."""
-    with served(create_app(smollm2_engine(), ServerSettings(model_name="smollm2", api_key=KEY))) as base:
+    schema = f"{Path(__file__).resolve().parents[2] / 'examples' / 'ticket.py'}:Ticket"  # for /classify
+    settings = ServerSettings(model_name="smollm2", api_key=KEY, schema=schema)
+    with served(create_app(smollm2_engine(), settings)) as base:
         yield base + "/v1"
 
 

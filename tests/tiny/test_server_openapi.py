@@ -5,6 +5,8 @@ enforced on every path but /health. Bounded: a fixed number of examples per oper
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 import schemathesis
@@ -38,10 +40,18 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model, tiny_tokenizer):
+def url(tiny_model, tiny_tokenizer, tmp_path_factory):
     engine = PCDEngine(tiny_model, tiny_tokenizer, limits=Limits(max_generated_tokens=24))
+    schema = tmp_path_factory.mktemp("served") / "route.json"  # what /classify answers with
+    closed = {**ROUTE, "properties": {k: v for k, v in ROUTE["properties"].items() if k != "note"}}
+    schema.write_text(json.dumps({**closed, "title": "Route", "required": ["topic", "urgent"]}))
     settings_ = ServerSettings(
-        model_name="tiny", api_key=KEY, max_tokens=8, max_completion_tokens=16, max_text_chars=2000
+        model_name="tiny",
+        api_key=KEY,
+        max_tokens=8,
+        max_completion_tokens=16,
+        max_text_chars=2000,
+        schema=str(schema),
     )
     with served(create_app(engine, settings_)) as base:
         yield base
@@ -60,6 +70,10 @@ OPERATIONS = [
     "GET /v1/calibrations",
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    "POST /classify",
+    "POST /v1/classify",
+    "POST /tokenize",
+    "POST /detokenize",
 ]
 
 
@@ -102,20 +116,26 @@ def chosen(case):
 
 POST = "POST /v1/chat/completions"
 COMPLETIONS = "POST /v1/completions"
+BODIES = ("POST /classify", "POST /tokenize")  # fuzzed with their own counts below
 
 
 @pytest.mark.parametrize(
     ("label", "mode", "examples"),
-    [(label, GenerationMode.POSITIVE, 8) for label in OPERATIONS if label not in (POST, COMPLETIONS)]
+    [(label, GenerationMode.POSITIVE, 8) for label in OPERATIONS if label not in (POST, COMPLETIONS, *BODIES)]
     + [
         (POST, GenerationMode.POSITIVE, 100),
-        (POST, GenerationMode.NEGATIVE, 100),  # the one operation taking a body
+        (POST, GenerationMode.NEGATIVE, 100),
         (POST + " structured", GenerationMode.POSITIVE, 100),
         (POST + " tools", GenerationMode.POSITIVE, 60),
         (POST + " choice", GenerationMode.POSITIVE, 40),
         (COMPLETIONS, GenerationMode.POSITIVE, 60),
         (COMPLETIONS, GenerationMode.NEGATIVE, 60),
         (COMPLETIONS + " choice", GenerationMode.POSITIVE, 40),
+        ("POST /classify", GenerationMode.POSITIVE, 30),
+        ("POST /classify", GenerationMode.NEGATIVE, 30),
+        ("POST /tokenize", GenerationMode.POSITIVE, 30),
+        ("POST /tokenize", GenerationMode.NEGATIVE, 30),
+        ("POST /detokenize", GenerationMode.NEGATIVE, 20),
     ],
 )
 def test_the_api_answers_what_its_document_says(api, url, label, mode, examples):

@@ -110,8 +110,10 @@ def test_unknown_options_are_refused_by_name_before_model_work(engine):
             TypeError, match="'abstain_below'; the options are instructions, rule, tool_choice"
         ):
             engine.tools.calibrate(TOOLS, [ASKED], ["search"], abstain_below=0.5)  # type: ignore[call-arg]
-        with pytest.raises(InputError, match="unknown sampling option 'top_k'; the options are grammar, "):
-            engine.generate(ASKED, top_k=5)  # type: ignore[call-arg]
+        with pytest.raises(
+            InputError, match="unknown sampling option 'typical_p'; the options are grammar, "
+        ):
+            engine.generate(ASKED, typical_p=0.9)  # type: ignore[call-arg]
     finally:
         counter.close()
     assert counter.rows == []

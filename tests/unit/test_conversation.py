@@ -43,7 +43,7 @@ EXPECTED = Conversation(
 def test_every_door_reads_the_same_conversation():
     assert Conversation.of(OPENAI) == EXPECTED
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": OPENAI})
-    assert from_server(request, RequestLimits()) == EXPECTED
+    assert from_server(request.messages, RequestLimits()) == EXPECTED
     langchain = [
         SystemMessage("Be brief."),
         HumanMessage([{"type": "text", "text": "Where is "}, "A1?"]),
@@ -139,7 +139,7 @@ def test_the_server_answers_bad_turns_with_a_400_naming_them():
         }
     )
     with pytest.raises(APIError, match="'c9'") as raised:
-        from_server(request, RequestLimits())
+        from_server(request.messages, RequestLimits())
     assert raised.value.status == 400
 
 
