@@ -196,9 +196,10 @@ class ChatMixin:
 
         `stop` strings end the text (they are not included); `max_tokens` bounds the answer; decoding
         is greedy unless `sampling` or `temperature=`, `top_p=`, `top_k=`, `min_p=`,
-        `repetition_penalty=`, `seed=` say otherwise. `json_object=True` constrains the answer to one JSON object (any keys:
-        for a schema, use `classify`), `grammar=` to a regex, an EBNF grammar or a JSON schema
-        (`Grammar`); either can still end at `max_tokens` before the text is complete. `messages`
+        `repetition_penalty=`, `seed=` say otherwise. `json_object=True` constrains the answer to one
+        JSON object (any keys: for a schema, use `classify`), `grammar=` to a regex, an EBNF grammar
+        or a JSON schema (`Grammar`); either can still end at `max_tokens` before the text is
+        complete. `messages`
         may be a `RawPrompt`: its text is continued as written, with no chat template.
         `logprobs=k` records each token's log-probability and its `k` (0 to 20) most probable
         alternatives in `Generation.logprobs` (see `TokenLogprob`). `tools` (as `engine.tools.call`
