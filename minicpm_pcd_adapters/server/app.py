@@ -54,6 +54,7 @@ from minicpm_pcd_adapters.server.calls import (
     ChatTemplate,
     ClassifyCall,
     GenerateCall,
+    RequestCall,
     RequestLimits,
     ToolDecisionCall,
     nth_sampling,
@@ -158,21 +159,17 @@ class CompletionEndpoints:
         started, kind, status = time.perf_counter(), "other", 500
         try:
             call = parse(await json_body(request))
-            kind = {ClassifyCall: "classify", ToolDecisionCall: "tools"}.get(type(call), "generate")
+            kind = call_kind(call)
             if call.model != self.settings.model_name:
                 served = self.settings.model_name
                 message = f"the model {call.model!r} does not exist; this server serves {served!r}"
                 raise APIError(404, message, param="model", code="model_not_found")
-            if isinstance(call, GenerateCall) and call.grammar is not None:  # compiled before queuing
-                await self._check_grammar(call)
-            if isinstance(call, ClassifyCall):
-                response = await self._classify(call, request)
-            elif isinstance(call, ToolDecisionCall):
-                response = await self._tool_call(call, request)
-            elif call.stream:
-                response = await self._stream_generation(call)
+            if isinstance(call, GenerateCall) and call.stream:
+                first, pieces, leave = await self.pieces(call)
+                response: Response = event_stream(_generated_chunks(call, first, pieces, leave, self.metrics))
             else:
-                response = await self._generate(call, request)
+                answers, tokens = await self.run(call, request)
+                response = _answered(call, answers, tokens)
             status = response.status_code
             return response
         except APIError as error:
@@ -182,7 +179,26 @@ class CompletionEndpoints:
             self.metrics.requests.labels(kind, str(status)).inc()
             self.metrics.latency.labels(kind).observe(time.perf_counter() - started)
 
-    async def _classify(self, call: ClassifyCall, request: Request) -> Response:
+    async def run(self, call: RequestCall, request: Request) -> tuple[list[Choice], Usage]:
+        """A call answered whole, on the model worker: its choices (in OpenAI's shape, which the
+        other protocols' writers read) and usage. Schema and grammar errors are 400s before any
+        model work."""
+        if isinstance(call, ClassifyCall):
+            return await self._classify(call, request)
+        if isinstance(call, ToolDecisionCall):
+            return await self._tool_call(call, request)
+        if call.grammar is not None:  # compiled before queuing
+            await self._check_grammar(call)
+        return await self._generate(call, request)
+
+    async def pieces(self, call: GenerateCall) -> tuple[Any, asyncio.Queue[Any], threading.Event]:
+        """A generation streamed: its first piece, the queue the rest arrive on (None ends it) and
+        the event that stops generation when the client has gone (`_generated_chunks` reads them)."""
+        if call.grammar is not None:
+            await self._check_grammar(call)
+        return await self._stream_generation(call)
+
+    async def _classify(self, call: ClassifyCall, request: Request) -> tuple[list[Choice], Usage]:
         try:  # schema errors before any model work (the plan is cached per schema)
             plan = await asyncio.to_thread(
                 self.engine.plan, call.schema, instructions=call.system, layout=call.layout
@@ -200,7 +216,7 @@ class CompletionEndpoints:
         tokens = classified_usage(results, call.n)
         self.metrics.on_answers(call.schema, results)
         self.metrics.on_tokens(tokens.prompt_tokens, tokens.completion_tokens)
-        return _answered(call, answers, tokens)
+        return answers, tokens
 
     async def _check_grammar(self, call: GenerateCall) -> None:
         assert call.grammar is not None
@@ -210,7 +226,7 @@ class CompletionEndpoints:
             message = f"{call.grammar_param}: {error}"
             raise APIError(400, message, param=call.grammar_param, code="invalid_grammar") from None
 
-    async def _tool_call(self, call: ToolDecisionCall, request: Request) -> Response:
+    async def _tool_call(self, call: ToolDecisionCall, request: Request) -> tuple[list[Choice], Usage]:
         """A tool decision (or text answer, or the one tool a choice names) per choice, on the model
         worker; the tools' parameters are checked first, before any model work."""
         try:
@@ -236,9 +252,9 @@ class CompletionEndpoints:
         answers = [tool_message(call, r, i) for i, r in enumerate(results)]
         tokens = usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results))
         self.metrics.on_tokens(tokens.prompt_tokens, tokens.completion_tokens)
-        return _answered(call, answers, tokens)
+        return answers, tokens
 
-    async def _generate(self, call: GenerateCall, request: Request) -> Response:
+    async def _generate(self, call: GenerateCall, request: Request) -> tuple[list[Choice], Usage]:
         def generations() -> list[Generation]:
             return [
                 self.engine.generate(item, sampling=sampling, **_options(call))
@@ -250,9 +266,9 @@ class CompletionEndpoints:
         prompt_tokens = sum(a.prompt_tokens for a in answers[:: call.n])
         total = usage(prompt_tokens, sum(a.completion_tokens for a in answers))
         self.metrics.on_tokens(total.prompt_tokens, total.completion_tokens)
-        return JSONResponse(ResponseWriter(call.model, bool(call.prompts)).body(choices, total))
+        return choices, total
 
-    async def _stream_generation(self, call: GenerateCall) -> Response:
+    async def _stream_generation(self, call: GenerateCall) -> tuple[Any, asyncio.Queue[Any], threading.Event]:
         """Pieces go from the model worker to the event loop through a queue; the HTTP status is
         sent only once the first piece (or the call's error) is known."""
         loop = asyncio.get_running_loop()
@@ -291,7 +307,7 @@ class CompletionEndpoints:
             await job
             param = "prompt" if call.prompts else "messages"
             raise engine_error(first, param) if isinstance(first, PCDError) else first
-        return event_stream(_generated_chunks(call, first, pieces, leave, self.metrics))
+        return first, pieces, leave
 
     async def _queued(self, work: Any) -> Any:
         return await queued(work, self.settings.request_timeout_s)
@@ -441,10 +457,15 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _answered(call: ClassifyCall | ToolDecisionCall, answers: list[Choice], tokens: Usage) -> Response:
+def call_kind(call: RequestCall) -> str:
+    """What a call is, as the request metrics label it."""
+    return {ClassifyCall: "classify", ToolDecisionCall: "tools"}.get(type(call), "generate")
+
+
+def _answered(call: RequestCall, answers: list[Choice], tokens: Usage) -> Response:
     """Whole answers as one completion, or replayed as stream events: a structured answer or a
     decision is known only when whole, so each choice is one content (or tool call) chunk."""
-    completion = ResponseWriter(call.model, isinstance(call, ClassifyCall) and bool(call.prompts))
+    completion = ResponseWriter(call.model, not isinstance(call, ToolDecisionCall) and bool(call.prompts))
     if not call.stream:
         return JSONResponse(completion.body(answers, tokens))
     chunks = [completion.chunk([choice]) for answer in answers for choice in delta_chunks(answer)]

@@ -134,6 +134,9 @@ class GenerateCall:
         return [(item, nth_sampling(self.sampling, k)) for item in inputs for k in range(self.n)]
 
 
+RequestCall = ClassifyCall | ToolDecisionCall | GenerateCall  # what a request asks of the engine
+
+
 def nth_sampling(sampling: Sampling, index: int) -> Sampling:
     """The sampling of the index-th choice: a given seed is offset so that choices differ."""
     return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)
