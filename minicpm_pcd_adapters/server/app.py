@@ -5,6 +5,7 @@
     POST /classify, /v1/classify  vLLM's classification API, with the schema of `--schema`
     POST /tokenize, /detokenize   vLLM's shapes: a prompt or chat messages as the engine renders them
     GET  /v1/models, /v1/models/{id}, /v1/calibrations, /health, /metrics (Prometheus)
+    /api/chat, /api/generate, /api/tags, /api/show, /api/version   Ollama's API (server/ollama.py)
     GET  /openapi.json (the request and response bodies, `server/openapi.py`)
 
 What a request asks is read by `server/calls.py` (its body's model: `server/protocol.py`);
@@ -27,7 +28,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -57,6 +58,7 @@ from minicpm_pcd_adapters.server.calls import (
     RequestCall,
     RequestLimits,
     ToolDecisionCall,
+    call_kind,
     nth_sampling,
     parse_request,
 )
@@ -64,6 +66,7 @@ from minicpm_pcd_adapters.server.classification import ClassificationEndpoint, S
 from minicpm_pcd_adapters.server.errors import APIError
 from minicpm_pcd_adapters.server.guard import Guard
 from minicpm_pcd_adapters.server.jobs import (
+    drained,
     engine_error,
     event_stream,
     json_body,
@@ -73,6 +76,7 @@ from minicpm_pcd_adapters.server.jobs import (
 )
 from minicpm_pcd_adapters.server.memory import MemoryReleaser
 from minicpm_pcd_adapters.server.metrics import ServerMetrics
+from minicpm_pcd_adapters.server.ollama import OllamaEndpoints, OllamaReader
 from minicpm_pcd_adapters.server.openapi import openapi_document
 from minicpm_pcd_adapters.server.protocol import (
     Choice,
@@ -322,13 +326,9 @@ async def _generated_chunks(
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed generation: per choice its role, its text pieces, its finish."""
     completion = ResponseWriter(call.model, bool(call.prompts))
-    item, prompt_tokens, completion_tokens, opened = first, 0, 0, set()
+    prompt_tokens, completion_tokens, opened = 0, 0, set()
     try:
-        while item is not None:
-            if isinstance(item, Exception):
-                log.error("generation failed mid-stream: %s", item)
-                return
-            index, piece = item
+        async for index, piece in drained(first, pieces, leave):
             if index not in opened:
                 opened.add(index)
                 yield completion.chunk([choice_delta(index, Delta(role="assistant", content=""))])
@@ -342,11 +342,9 @@ async def _generated_chunks(
                     prompt_tokens += piece.prompt_tokens or 0
                 completion_tokens += piece.completion_tokens or 0
                 yield completion.chunk([choice_delta(index, Delta(), piece.finish_reason)])
-            item = await pieces.get()
         if call.include_usage:
             yield completion.chunk([], usage(prompt_tokens, completion_tokens))
     finally:
-        leave.set()
         metrics.on_tokens(prompt_tokens, completion_tokens)
 
 
@@ -371,6 +369,8 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     )
     tokens = TokenEndpoints(engine, settings.model_name, completions.limits)
     created = int(time.time())
+    reader = OllamaReader(settings, completions.limits, completions.template)
+    ollama = OllamaEndpoints(completions, reader, engine, metrics, created)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -391,7 +391,8 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         metrics.errors.labels(error.code or error.type).inc()
         headers = {"Retry-After": "1"} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        body = {"error": error.message} if request.url.path.startswith("/api/") else error.body()  # Ollama's
+        return JSONResponse(body, status_code=error.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def route_error(request: Request, error: StarletteHTTPException) -> JSONResponse:  # 404, 405
@@ -448,6 +449,15 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     app.post("/v1/classify")(classification)
     app.post("/tokenize")(tokens.tokenize)
     app.post("/detokenize")(tokens.detokenize)
+    ollama_routes: list[tuple[str, str, Callable[..., Any]]] = [  # Ollama's, not in /openapi.json
+        ("/api/chat", "POST", ollama.chat),
+        ("/api/generate", "POST", ollama.generate),
+        ("/api/show", "POST", ollama.show),
+        ("/api/tags", "GET", ollama.tags),
+        ("/api/version", "GET", ollama.version),
+    ]
+    for path, method, route in ollama_routes:
+        app.add_api_route(path, route, methods=[method], include_in_schema=False)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -455,11 +465,6 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(Guard, settings=settings, on_refused=lambda code: metrics.errors.labels(code).inc())
     return app
-
-
-def call_kind(call: RequestCall) -> str:
-    """What a call is, as the request metrics label it."""
-    return {ClassifyCall: "classify", ToolDecisionCall: "tools"}.get(type(call), "generate")
 
 
 def _answered(call: RequestCall, answers: list[Choice], tokens: Usage) -> Response:

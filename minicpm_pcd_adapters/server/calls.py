@@ -137,6 +137,11 @@ class GenerateCall:
 RequestCall = ClassifyCall | ToolDecisionCall | GenerateCall  # what a request asks of the engine
 
 
+def call_kind(call: RequestCall) -> str:
+    """What a call is, as the request metrics label it."""
+    return {ClassifyCall: "classify", ToolDecisionCall: "tools"}.get(type(call), "generate")
+
+
 def nth_sampling(sampling: Sampling, index: int) -> Sampling:
     """The sampling of the index-th choice: a given seed is offset so that choices differ."""
     return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + index)

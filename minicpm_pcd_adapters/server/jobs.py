@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from minicpm_pcd_adapters.server.batching import QueueFull
 from minicpm_pcd_adapters.server.errors import APIError
 from pcd_engine import (
+    GenerationChunk,
     InputError,
     PCDError,
     SchemaLimitError,
@@ -21,6 +24,8 @@ from pcd_engine import (
     TokenizationError,
     UnsupportedSchemaError,
 )
+
+log = logging.getLogger("minicpm_pcd.server")
 
 
 def engine_error(error: PCDError, input_param: str = "messages") -> APIError:
@@ -76,6 +81,24 @@ async def queued(work: Any, timeout_s: float) -> Any:
     except asyncio.TimeoutError:  # a request still queued is dropped from its batch
         message = f"the request was not answered within {timeout_s} s"
         raise APIError(504, message, type="server_error", code="timeout") from None
+
+
+async def drained(
+    first: Any, pieces: asyncio.Queue[Any], leave: threading.Event
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """The (choice index, piece) items of a streamed generation, from its first item until the
+    queue's None; an error mid-stream is logged and ends it (the status is sent already). `leave`
+    is set at the end, so that generation stops if the client went first."""
+    item = first
+    try:
+        while item is not None:
+            if isinstance(item, Exception):
+                log.error("generation failed mid-stream: %s", item)
+                return
+            yield item
+            item = await pieces.get()
+    finally:
+        leave.set()
 
 
 async def replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

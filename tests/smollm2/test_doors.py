@@ -1,14 +1,15 @@
 """One conversation, every door: the same conversation (a system message, then user, assistant, user)
 gets the same prompt and the same probabilities through the engine, LangChain (structured output and a
-forced tool), LlamaIndex (a program and a forced tool) and `pcd serve` (a response format and a forced
-tool); aliased models work at every door; agent loops answer a tool's result in words. SmolLM2 (CPU),
-one server for the module, driven by the official clients."""
+forced tool), LlamaIndex (a program and a forced tool) and `pcd serve` (a response format, a forced
+tool and Ollama's `format`); aliased models work at every door; agent loops answer a tool's result in
+words. SmolLM2 (CPU), one server for the module, driven by the official clients."""
 
 from __future__ import annotations
 
 import json
 from typing import Literal
 
+import httpx
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_pcd_adapters import ChatMiniCPM, MiniCPMLLM, MiniCPMPCDProgram
 from pcd_engine import Conversation
+from tests.helpers import KEY
 
 pytestmark = pytest.mark.slow
 SYSTEM = "You route customer-support messages."
@@ -78,7 +80,7 @@ def assert_same(got, reference):
         assert got[path] == pytest.approx(values, abs=1e-4), path
 
 
-def test_one_conversation_gets_the_same_probabilities_through_every_door(engine, chat, llm, client):
+def test_one_conversation_gets_the_same_probabilities_through_every_door(engine, chat, llm, client, url):
     result = engine.classify(Conversation.of(MESSAGES), Ticket)
     reference = probabilities(result.to_json()["fields"])
     lc_messages = [
@@ -121,6 +123,20 @@ def test_one_conversation_gets_the_same_probabilities_through_every_door(engine,
     assert call.id == called.choices[0].pcd["call_id"]
     assert_same(probabilities(called.choices[0].pcd["arguments"]), reference)
 
+    ollama = httpx.post(  # Ollama's API, its `format` a JSON schema
+        url.removesuffix("/v1") + "/api/chat",
+        json={
+            "model": "smollm2",
+            "messages": MESSAGES,
+            "format": Ticket.model_json_schema(),
+            "stream": False,
+        },
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=300,
+    ).json()
+    assert json.loads(ollama["message"]["content"]) == result.to_json()["value"]
+    assert_same(probabilities(ollama["pcd"]["fields"]), reference)
+
 
 @pytest.mark.parametrize("model", [Aliased, Populated])
 def test_aliased_models_work_at_every_door(engine, chat, llm, client, model):
@@ -161,6 +177,25 @@ async def test_a_llama_index_agent_answers_the_tool_result_in_words(llm):
     out = await agent.run(ASKED, max_iterations=4)
     assert [c.tool_name for c in out.tool_calls] == [CALLED]
     assert out.response.content and not repeats_the_call(out.response.content), out.response.content
+
+
+def test_an_ollama_agent_loop_answers_the_tool_result_in_words(url):
+    import ollama
+
+    client = ollama.Client(host=url.removesuffix("/v1"), headers={"Authorization": f"Bearer {KEY}"})
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": CALLED, "parameters": parameters}}]
+    messages: list = [{"role": "user", "content": ASKED}]
+    first = client.chat(model="smollm2", messages=messages, tools=tools, options={"num_predict": 40})
+    (call,) = first.message.tool_calls
+    assert call.function.name == CALLED
+    messages += [
+        first.message,
+        {"role": "tool", "tool_name": CALLED, "content": get_weather(**call.function.arguments)},
+    ]
+    second = client.chat(model="smollm2", messages=messages, tools=tools, options={"num_predict": 40})
+    assert not second.message.tool_calls and second.message.content
+    assert not repeats_the_call(second.message.content), second.message.content
 
 
 def test_an_http_agent_loop_answers_the_tool_result_in_words(client):
