@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -40,8 +41,6 @@ from minicpm_pcd_adapters.server.protocol import (
 )
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Conversation, PCDEngine, PCDError, PCDResult, Sampling
-from pcd_engine.results import json_key
-from pcd_engine.schema import JSONScalar
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class ServedSchema:
 
     schema: dict[str, Any]
     label_field: str
-    labels: tuple[JSONScalar, ...]
+    labels: tuple[Any, ...]  # JSON scalars: strings, booleans, numbers, null
 
     @classmethod
     def of(cls, model: Any, engine: PCDEngine) -> ServedSchema:
@@ -71,7 +70,7 @@ class ServedSchema:
         field = result.fields[self.label_field]
         probs = [field.probabilities.get(value, 0.0) for value in self.labels]
         return ClassificationData(
-            index=index, label=json_key(field.value), probs=probs, num_classes=len(probs), pcd=extension
+            index=index, label=_label(field.value), probs=probs, num_classes=len(probs), pcd=extension
         )
 
 
@@ -183,3 +182,8 @@ class ClassificationEndpoint:
         finally:
             self.metrics.requests.labels("classify", str(status)).inc()
             self.metrics.latency.labels("classify").observe(time.perf_counter() - started)
+
+
+def _label(value: Any) -> str:
+    """A value as vLLM's string label: a string as it is, anything else as JSON (`true`, `3`)."""
+    return value if isinstance(value, str) else json.dumps(value)
