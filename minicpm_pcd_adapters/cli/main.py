@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from minicpm_pcd_adapters.cli import calibrate, classify, evaluate, label, manifest, serve, suggest
+from minicpm_pcd_adapters.cli import calibrate, classify, evaluate, label, manifest, run_batch, serve, suggest
 
 COMMANDS = {
     "classify": classify,
@@ -14,6 +14,7 @@ COMMANDS = {
     "suggest": suggest,
     "label": label,
     "serve": serve,
+    "run-batch": run_batch,
     "manifest": manifest,
 }
 

@@ -110,6 +110,8 @@ def classified_message(
         cached_tokens=d.cached_tokens,
         calibration=calibration,
     )
+    if index % call.n:  # scored fields are decided whole, not sampled: say which choice they repeat
+        extension.same_scores_as = index - index % call.n
     fields = list(result.fields.values())
     as_text = call.answer == "choice"
     logprobs = None

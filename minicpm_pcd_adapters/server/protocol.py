@@ -1,12 +1,11 @@
-"""The HTTP protocol of `pcd serve`, in one place: the Pydantic models of every body it reads and
-writes, as vLLM's `protocol.py` keeps them. Requests: `ChatCompletionRequest`, `CompletionRequest`
-(the other servers' constrained-decoding fields from `constraints.py`). Answers: `ChatCompletion`,
-`ChatCompletionChunk`, `TextCompletion` with the `pcd` extension and standard `logprobs`, `Health`,
-the model and calibration lists; the error body is `errors.ErrorBody`.
-
-The server builds every answer from these models (`answers.py`, `dump`), and `/openapi.json`
-publishes their schemas (`openapi.py`), so the document cannot drift from what is sent. Answer models
-refuse unknown fields: a key the document does not name cannot be written.
+"""The HTTP protocol of `pcd serve`, in one place (as vLLM's `protocol.py`): the Pydantic models of
+every body its OpenAI-compatible routes read and write. Requests: chat and text completions (the other
+servers' constraint fields from `constraints.py`), `/classify`, `/tokenize`, `/detokenize`. Answers:
+completions and chunks with the `pcd` extension and standard `logprobs`, classifications, tokens,
+`Health`, the model and calibration lists; the error body is `errors.ErrorBody`. The server builds
+every answer from these models (`dump`) and `/openapi.json` publishes them (`openapi.py`), so the
+document cannot drift from what is sent; answer models refuse unknown fields. (Ollama's bodies are
+Ollama's: `ollama_calls.py`.)
 """
 
 from __future__ import annotations
@@ -323,6 +322,7 @@ class PCDExtension(_Answer):
     forward_calls: int
     cached_tokens: int
     calibration: CalibrationUsed | None
+    same_scores_as: int | None = None  # n > 1: the choice whose scored fields this one repeats
 
 
 class ToolDecisionExtension(_Answer):

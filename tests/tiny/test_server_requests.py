@@ -179,3 +179,15 @@ def test_a_served_schema_without_a_closed_field_stops_the_server_before_it_serve
     assert (
         main(["serve", "--model", "smollm2", "--schema", str(tmp_path / "missing.json")]) == 2
     )  # before loading
+
+
+def test_n_choices_of_a_scored_answer_say_which_choice_they_repeat(url):
+    format_ = {"type": "json_schema", "json_schema": {"name": "Route", "schema": ROUTE}}
+    body = {"messages": ASKED, "response_format": format_, "n": 3, "temperature": 0.8, "seed": 1}
+    choices = post(url, body).json()["choices"]
+    assert "same_scores_as" not in choices[0]["pcd"]
+    assert [c["pcd"]["same_scores_as"] for c in choices[1:]] == [0, 0]
+    assert len({c["message"]["content"] for c in choices}) == 1  # decided whole: the same object
+    prompts = {"prompt": ["Route: refund me\n", "Route: it crashes\n"], "n": 2, "guided_json": ROUTE}
+    texts = post(url, prompts, "/v1/completions").json()["choices"]
+    assert [c["pcd"].get("same_scores_as") for c in texts] == [None, 0, None, 2]

@@ -1,0 +1,113 @@
+"""`pcd run-batch`: an OpenAI batch file (the format vLLM's `run-batch` reads) answered in process by
+the server's own app, one output record per input line, resumable (server/batch_files.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from minicpm_pcd_adapters.by_name import load_engine, load_schema
+from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, engine_options, fail, model_options
+from minicpm_pcd_adapters.files import count_lines
+from minicpm_pcd_adapters.server.settings import ServerSettings
+from pcd_engine import Calibration
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "run-batch", help="answer an OpenAI batch file (chat, completions, classify lines)"
+    )
+    add = parser.add_argument
+    add("-i", "--input-file", required=True, help="the batch file: one JSON request per line "
+        '({"custom_id", "method": "POST", "url", "body"})')  # fmt: skip
+    add("-o", "--output-file", required=True, help="the JSONL file of answers, one per input line, in order")
+    model_options(parser)
+    add("--served-model-name", default=None, help="the model name the requests' bodies give (default: "
+        "the --model value)")  # fmt: skip
+    add(
+        "--schema",
+        default=None,
+        help="the schema /v1/classify lines are answered with (as pcd serve --schema)",
+    )
+    add("--calibration", nargs="+", default=[], metavar="FILE", help="calibration files, applied as "
+        "pcd serve applies them")  # fmt: skip
+    add("--instructions", default=None, help="system instructions for requests without a system message")
+    add("--concurrency", type=int, default=64, help="lines answered at once; scored lines with the same "
+        "schema among them share engine batches (default 64)")  # fmt: skip
+    add("--max-batch", type=int, default=64, help="requests per engine batch (default 64)")
+    add("--resume", action="store_true", help="keep the output's whole records and answer the lines after "
+        "them (a torn last record is redone)")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit codes: 0 every line answered with 200, 1 some lines got an error, 2 bad options (before the
+    model loads), 130 stopped by a signal (rerun with --resume)."""
+    try:
+        from minicpm_pcd_adapters.server.app import create_app
+        from minicpm_pcd_adapters.server.batch_files import answered_records, run_batch_file
+    except ImportError as error:
+        return fail(f"{error}; install the server extra: pip install 'minicpm-pcd[server]'")
+    source, output = Path(args.input_file), Path(args.output_file)
+    key = os.urandom(16).hex()  # the in-process app's key: nothing else reaches it, but the guard stays on
+    try:
+        if not source.is_file():
+            raise FileNotFoundError(f"--input-file {source}: no such file")
+        if source.resolve() == output.resolve():
+            raise ValueError("--output-file must not be the input file")
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {args.concurrency}")
+        settings = ServerSettings(
+            model_name=args.served_model_name or args.model,
+            api_key=key,
+            max_batch=args.max_batch,
+            max_queue=max(256, 2 * args.concurrency),
+            request_timeout_s=24 * 3600.0,
+            calibrations=tuple(str(Path(f).resolve()) for f in args.calibration),
+            schema=args.schema,
+        )
+        settings.check()
+        if args.schema is not None:
+            load_schema(args.schema)
+        for path in settings.calibrations:
+            Calibration.load(path)
+        total = count_lines(source)
+        if args.resume and answered_records(output) >= total:
+            print(f"pcd: every line of {source} is answered in {output}; nothing to resume", file=sys.stderr)
+            return 0
+        engine = load_engine(args.model, **engine_options(args), instructions=args.instructions)
+        app = create_app(engine, settings)
+    except SETUP_ERRORS as error:
+        return fail(error)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with tqdm(total=total, desc="run-batch", unit="line", file=sys.stderr) as bar:
+            summary = run_batch_file(
+                app,
+                source,
+                output,
+                headers={"Authorization": f"Bearer {key}"},
+                concurrency=args.concurrency,
+                resume=args.resume,
+                stop=stop,
+                progress=bar.update,
+            )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(
+        f"pcd: {summary.written - summary.failed} answered, {summary.failed} failed, {summary.skipped} "
+        f"already done -> {output}",
+        file=sys.stderr,
+    )
+    if summary.stopped:
+        print("pcd: stopped before the end of the input; rerun with --resume to finish", file=sys.stderr)
+        return 130
+    return 1 if summary.failed else 0
