@@ -76,6 +76,17 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def portable_schema(spec: str | None) -> str | None:
+    """A --schema with its file made absolute, so that a process elsewhere (a Ray actor or replica)
+    finds it; `module:Class` as given."""
+    if spec is None:
+        return None
+    if spec.endswith(".json"):
+        return str(Path(spec).resolve())
+    module, sep, name = spec.rpartition(":")
+    return f"{Path(module).resolve()}:{name}" if sep and module.endswith(".py") else spec
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """Input and output paths, checked before the model loads (OSError / ValueError)."""
     source = Path(args.input)

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from minicpm_pcd_adapters.by_name import load_engine, load_schema
-from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, engine_options, fail, model_options
+from minicpm_pcd_adapters.cli.options import (
+    SETUP_ERRORS,
+    engine_options,
+    fail,
+    model_options,
+    portable_schema,
+)
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Calibration
 
@@ -86,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
         max_completion_tokens=args.max_completion_tokens,
         cors_origins=tuple(args.cors_origin),
         calibrations=tuple(str(Path(f).resolve()) for f in args.calibration),  # for Ray replicas too
-        schema=_resolved(args.schema),
+        schema=portable_schema(args.schema),
     )
     options = {
         **engine_options(args),
@@ -140,16 +146,6 @@ def _serve_on_ray(args: argparse.Namespace, settings: ServerSettings, options: d
         serve.shutdown()
         ray.shutdown()
     return 0
-
-
-def _resolved(spec: str | None) -> str | None:
-    """A --schema with its file made absolute (a Ray replica runs elsewhere); module:Class as given."""
-    if spec is None:
-        return None
-    if spec.endswith(".json"):
-        return str(Path(spec).resolve())
-    module, sep, name = spec.rpartition(":")
-    return f"{Path(module).resolve()}:{name}" if sep and module.endswith(".py") else spec
 
 
 def _loopback(host: str) -> bool:

@@ -77,9 +77,13 @@ def run_batch_file(
     resume: bool = False,
     stop: threading.Event | None = None,
     progress: Callable[[int], None] | None = None,
+    lines: tuple[int, int] | None = None,
 ) -> BatchSummary:
-    """Answer every line of `source` with `app` (the server's ASGI app) into `output`."""
-    return asyncio.run(_run(app, source, output, headers or {}, concurrency, resume, stop, progress))
+    """Answer every line of `source` with `app` (the server's ASGI app) into `output`; with `lines`
+    (start, end), only the lines from index `start` (0-based) up to `end`, excluded: one part of the
+    file (`pcd run-batch --ray`)."""
+    part = lines or (0, None)
+    return asyncio.run(_run(app, source, output, headers or {}, concurrency, resume, stop, progress, part))
 
 
 async def _run(
@@ -91,6 +95,7 @@ async def _run(
     resume: bool,
     stop: threading.Event | None,
     progress: Callable[[int], None] | None,
+    part: tuple[int, int | None],
 ) -> BatchSummary:
     summary = BatchSummary(skipped=answered_records(output) if resume else 0)
     if progress is not None and summary.skipped:
@@ -106,7 +111,8 @@ async def _run(
             source.open(encoding="utf-8") as lines,
             output.open("a" if resume else "w", encoding="utf-8") as out,
         ):
-            numbered: Iterator[tuple[int, str]] = islice(enumerate(lines, start=1), summary.skipped, None)
+            start, end = part[0] + summary.skipped, part[1]
+            numbered: Iterator[tuple[int, str]] = islice(enumerate(lines, start=1), start, end)
             while window := list(islice(numbered, concurrency)):
                 if stop is not None and stop.is_set():
                     summary.stopped = True

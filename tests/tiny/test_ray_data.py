@@ -164,3 +164,38 @@ def test_a_calibration_with_heads_travels_as_a_path_each_actor_loads(folder, tmp
         expected = want[row["id"]]
         assert row["pcd_error"] is None and row["pcd.topic"] == expected.value["topic"]
         assert row["pcd.topic.confidence"] == pytest.approx(expected.fields["topic"].confidence, abs=1e-5)
+
+
+def test_cli_run_batch_on_ray_answers_every_line_once_in_order(folder, tmp_path):
+    properties = {"topic": {"enum": ["billing", "bug", "other"]}, "urgent": {"type": "boolean"}}
+    schema = {"title": "Route", "type": "object", "required": ["topic", "urgent"], "properties": properties}
+    format_ = {"type": "json_schema", "json_schema": {"name": "Route", "schema": schema}}
+    lines = []
+    for i in range(11):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": TEXTS[i % 5]}],
+            "response_format": format_,
+        }
+        lines.append(
+            json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        )
+    lines[4] = "{not json"
+    source, output = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    address = ray.get_runtime_context().gcs_address
+    command = [sys.executable, "-m", "minicpm_pcd_adapters.cli", "run-batch", "--ray",
+               "--ray-address", address, "-i", str(source), "-o", str(output), "--model", folder,
+               "--served-model-name", "tiny", "--actors", "2", "--part-lines", "3",
+               "--concurrency", "2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]  # the broken line's error record
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["custom_id"] for r in records] == [f"r{i}" if i != 4 else None for i in range(11)]
+    assert records[4]["error"]["code"] == "invalid_json" and "line 5" in records[4]["error"]["message"]
+    engine = PCDEngine.from_pretrained(folder)
+    for i, record in enumerate(records):
+        if i != 4:
+            answer = json.loads(record["response"]["body"]["choices"][0]["message"]["content"])
+            assert answer == engine.classify(TEXTS[i % 5], schema).value
+    assert not (tmp_path / "out.jsonl.parts").exists()
