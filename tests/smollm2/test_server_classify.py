@@ -4,16 +4,13 @@ in vLLM's shape, and `/tokenize` counts what a chat request feeds."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from minicpm_pcd_adapters.server.app import create_app
-from minicpm_pcd_adapters.server.settings import ServerSettings
-from tests.helpers import KEY, served
+from tests.helpers import KEY
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -77,25 +74,6 @@ def test_classify_refuses_what_it_cannot_answer_before_model_work(http, url):
     assert error({"input": 3})["param"].startswith("input")
     assert error({"input": "x", "top_k": 3})["code"] == "unsupported_parameter"
     assert httpx.post(url.removesuffix("/v1") + "/classify", json={"input": "x"}).status_code == 401
-
-
-def test_a_served_calibration_applies_to_classify(engine, tmp_path):
-    labeled = Path(__file__).resolve().parents[2] / "examples" / "tickets_labeled.jsonl"
-    rows = [json.loads(line) for line in labeled.read_text().splitlines()]
-    cal = engine.calibrate(Ticket, [r["text"] for r in rows], [r["label"] for r in rows], folds=4)
-    path = tmp_path / "ticket.json"
-    cal.save(path)
-    settings = ServerSettings(
-        model_name="smollm2", calibrations=(str(path),), schema=str(tmp_path / "schema.json")
-    )
-    (tmp_path / "schema.json").write_text(json.dumps(Ticket.model_json_schema()))  # a JSON-schema file
-    with served(create_app(engine, settings)) as base:
-        answer = httpx.post(base + "/classify", json={"input": TEXTS[:2]}, timeout=300).json()
-    for text, data in zip(TEXTS, answer["data"], strict=False):
-        want = engine.classify(text, Ticket, calibration=cal).fields["topic"]
-        assert data["probs"] == pytest.approx([want.probabilities[t] for t in TOPICS], abs=1e-4)
-        assert data["pcd"]["calibration"]["name"] == "ticket"
-        assert data["pcd"]["fields"]["topic"]["calibration"] == cal.fields["topic"].method
 
 
 def test_tokenize_counts_what_a_chat_request_feeds_and_keeps_text_as_data(http, engine):

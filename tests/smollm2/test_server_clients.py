@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from langchain_openai import ChatOpenAI
@@ -103,8 +104,17 @@ def test_a_calibration_served_equals_in_process_classify_with_it(engine, tmp_pat
     cal = engine.calibrate(Ticket, [r["text"] for r in rows], [r["label"] for r in rows], folds=4)
     path = tmp_path / "ticket.json"
     cal.save(path)
-    settings = ServerSettings(model_name="smollm2", api_key=KEY, calibrations=(str(path),))
+    (tmp_path / "schema.json").write_text(json.dumps(Ticket.model_json_schema()))  # /classify's
+    schema = str(tmp_path / "schema.json")
+    settings = ServerSettings(model_name="smollm2", api_key=KEY, calibrations=(str(path),), schema=schema)
     with served(create_app(engine, settings)) as base:
+        classified = httpx.post(  # vLLM's classification door, the same calibration applied
+            base + "/classify",
+            json={"input": [TEXT]},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=300,
+        ).json()["data"][0]
+        assert classified["pcd"]["calibration"]["name"] == "ticket"
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
         for text in (TEXT, rows[1]["text"]):
             parsed = client.chat.completions.parse(
@@ -113,6 +123,13 @@ def test_a_calibration_served_equals_in_process_classify_with_it(engine, tmp_pat
             want = engine.classify(text, Ticket, calibration=cal)
             assert parsed.choices[0].message.parsed == want.value
             assert_same(parsed.choices[0].pcd["fields"], want)
+            if text == TEXT:
+                assert_same(classified["pcd"]["fields"], want)
+                topic, order = (
+                    want.fields["topic"].probabilities,
+                    ["billing", "delivery", "account", "technical", "other"],
+                )
+                assert classified["probs"] == pytest.approx([topic[v] for v in order], abs=1e-4)
             described = parsed.choices[0].pcd["calibration"]
             assert described["name"] == "ticket" and described["methods"] == {
                 p: f.method for p, f in cal.fields.items()
