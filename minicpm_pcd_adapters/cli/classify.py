@@ -4,9 +4,7 @@ files and folders on a Ray cluster, one output shard per input file (ray/files.p
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from minicpm_pcd_adapters.cli.options import (
     fail,
     input_options,
     set_up,
+    stopped_by_signals,
 )
 from minicpm_pcd_adapters.files import answered_lines, classify_file, count_lines
 from pcd_engine import Calibration, PCDError
@@ -83,9 +82,7 @@ def run(setup: Setup, args: argparse.Namespace) -> int:
     """Exit codes: 0 every input answered, 1 some inputs got error records, 130 stopped by a signal
     (rerun with --resume to finish)."""
     source, output = Path(args.input), Path(args.output)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with stopped_by_signals() as stop:
         total = count_lines(source)
         with tqdm(total=total, desc="classify", unit="text", file=sys.stderr) as bar:
             summary = classify_file(
@@ -102,9 +99,6 @@ def run(setup: Setup, args: argparse.Namespace) -> int:
                 abstain_below=args.abstain_below,
                 **setup.options,
             )
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     answered = summary.written - summary.errors
     print(
         f"pcd: {answered} classified ({summary.needs_review} need review), {summary.errors} errors, "

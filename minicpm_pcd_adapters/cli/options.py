@@ -9,8 +9,11 @@ import argparse
 import difflib
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,19 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "manifest": str(Path(args.manifest).resolve()) if args.manifest else None,  # for Ray workers too
         "text_framing": args.text_framing,
     }
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[threading.Event]:
+    """An event that SIGINT or SIGTERM sets while the block runs (a long run then stops after its
+    current batch, resumable), the previous handlers restored after it."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def portable_schema(spec: str | None) -> str | None:

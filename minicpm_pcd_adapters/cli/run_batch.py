@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +18,7 @@ from minicpm_pcd_adapters.cli.options import (
     fail,
     model_options,
     portable_schema,
+    stopped_by_signals,
 )
 from minicpm_pcd_adapters.files import count_lines
 from minicpm_pcd_adapters.server.settings import ServerSettings
@@ -130,23 +129,20 @@ def _in_process(
 ) -> BatchSummary:
     from minicpm_pcd_adapters.server.batch_files import run_batch_file
 
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with tqdm(total=total, desc="run-batch", unit="line", file=sys.stderr) as bar:
-            return run_batch_file(
-                app,
-                source,
-                output,
-                headers={"Authorization": f"Bearer {key}"},
-                concurrency=args.concurrency,
-                resume=args.resume,
-                stop=stop,
-                progress=bar.update,
-            )
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with (
+        stopped_by_signals() as stop,
+        tqdm(total=total, desc="run-batch", unit="line", file=sys.stderr) as bar,
+    ):
+        return run_batch_file(
+            app,
+            source,
+            output,
+            headers={"Authorization": f"Bearer {key}"},
+            concurrency=args.concurrency,
+            resume=args.resume,
+            stop=stop,
+            progress=bar.update,
+        )
 
 
 def _on_ray(

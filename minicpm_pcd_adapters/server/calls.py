@@ -386,15 +386,34 @@ def _tool_param(request: ChatCompletionRequest) -> str:
 
 
 def request_sampling(request: Any) -> Sampling:
-    """The sampling of a chat or text completion request: temperature, top_p, top_k (-1 and 0: off),
-    min_p, repetition_penalty and seed; each left out is the engine's default."""
+    """The sampling of a chat or text completion request (`sampling_of` its fields)."""
+    return sampling_of(
+        request.temperature,
+        request.top_p,
+        request.top_k,
+        request.min_p,
+        request.repetition_penalty,
+        request.seed,
+    )
+
+
+def sampling_of(
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    repetition_penalty: float | None,
+    seed: int | None,
+) -> Sampling:
+    """A request's sampling fields (any protocol's) as the engine's `Sampling`: each left out is the
+    engine's default, and a `top_k` of 0 or less is off (vLLM's -1, Ollama's 0)."""
     return Sampling(
-        temperature=request.temperature or 0.0,
-        top_p=request.top_p if request.top_p is not None else 1.0,
-        top_k=max(request.top_k or 0, 0),
-        min_p=request.min_p or 0.0,
-        repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
-        seed=request.seed,
+        temperature=temperature or 0.0,
+        top_p=top_p if top_p is not None else 1.0,
+        top_k=max(top_k or 0, 0),
+        min_p=min_p or 0.0,
+        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+        seed=seed,
     )
 
 

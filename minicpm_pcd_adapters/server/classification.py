@@ -29,7 +29,7 @@ from minicpm_pcd_adapters.server.batching import Batcher
 from minicpm_pcd_adapters.server.calibrations import Calibrations
 from minicpm_pcd_adapters.server.calls import ClassifyCall, RequestLimits
 from minicpm_pcd_adapters.server.errors import APIError, read_body
-from minicpm_pcd_adapters.server.jobs import engine_error, json_body, queued, while_connected
+from minicpm_pcd_adapters.server.jobs import engine_error, json_body, observed, queued, while_connected
 from minicpm_pcd_adapters.server.metrics import ServerMetrics
 from minicpm_pcd_adapters.server.protocol import (
     CalibrationUsed,
@@ -151,8 +151,8 @@ class ClassificationEndpoint:
         self.metrics, self.calibration, self.calibrations = metrics, calibration, calibrations
 
     async def __call__(self, request: Request) -> Response:
-        started, status = time.perf_counter(), 500
-        try:
+        with observed(self.metrics) as seen:
+            seen.kind = "classify"
             if self.served is None:
                 message = (
                     "this server classifies with the schema it was started with, and it was started "
@@ -174,14 +174,8 @@ class ClassificationEndpoint:
             body = classification_body(self.served, self.settings.model_name, calls, results, used)
             self.metrics.on_answers(self.served.schema, results)
             self.metrics.on_tokens(body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
-            status = 200
+            seen.status = 200
             return JSONResponse(body)
-        except APIError as error:
-            status = error.status
-            raise
-        finally:
-            self.metrics.requests.labels("classify", str(status)).inc()
-            self.metrics.latency.labels("classify").observe(time.perf_counter() - started)
 
 
 def _label(value: Any) -> str:

@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
@@ -47,6 +46,7 @@ from minicpm_pcd_adapters.server.jobs import (
     engine_error,
     event_stream,
     json_body,
+    observed,
     queued,
     replayed,
     while_connected,
@@ -128,10 +128,9 @@ class CompletionEndpoints:
         return await self._answer(request, lambda body: parse_completion(body, self.limits))
 
     async def _answer(self, request: Request, parse: Any) -> Response:
-        started, kind, status = time.perf_counter(), "other", 500
-        try:
+        with observed(self.metrics) as seen:
             call = parse(await json_body(request))
-            kind = call_kind(call)
+            seen.kind = call_kind(call)
             if call.model != self.settings.model_name:
                 served = self.settings.model_name
                 message = f"the model {call.model!r} does not exist; this server serves {served!r}"
@@ -142,14 +141,8 @@ class CompletionEndpoints:
             else:
                 answers, tokens = await self.run(call, request)
                 response = _answered(call, answers, tokens)
-            status = response.status_code
+            seen.status = response.status_code
             return response
-        except APIError as error:
-            status = error.status
-            raise
-        finally:
-            self.metrics.requests.labels(kind, str(status)).inc()
-            self.metrics.latency.labels(kind).observe(time.perf_counter() - started)
 
     async def run(self, call: RequestCall, request: Request) -> tuple[list[Choice], Usage]:
         """A call answered whole, on the model worker: its choices (in OpenAI's shape, which the

@@ -7,7 +7,10 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from minicpm_pcd_adapters.server.batching import QueueFull
 from minicpm_pcd_adapters.server.errors import APIError
+from minicpm_pcd_adapters.server.metrics import ServerMetrics
 from pcd_engine import (
     GenerationChunk,
     InputError,
@@ -58,6 +62,29 @@ async def while_connected(request: Request, work: Any) -> Any:
         task.cancel()
         raise APIError(499, "the client closed the connection", code="client_closed")
     return task.result()
+
+
+@dataclass
+class Observation:
+    """What the request metrics record of one request: its kind and status, set as they are known."""
+
+    kind: str = "other"
+    status: int = 500
+
+
+@contextmanager
+def observed(metrics: ServerMetrics) -> Iterator[Observation]:
+    """Count a request and time it (`pcd_requests_total{kind,status}`, the latency histogram), with the
+    status of the APIError it raised, or 500 for any other error."""
+    seen, started = Observation(), time.perf_counter()
+    try:
+        yield seen
+    except APIError as error:
+        seen.status = error.status
+        raise
+    finally:
+        metrics.requests.labels(seen.kind, str(seen.status)).inc()
+        metrics.latency.labels(seen.kind).observe(time.perf_counter() - started)
 
 
 async def json_body(request: Request) -> Any:

@@ -29,8 +29,8 @@ from minicpm_pcd_adapters.server.calls import (
     RequestCall,
     call_kind,
 )
-from minicpm_pcd_adapters.server.errors import APIError, read_body
-from minicpm_pcd_adapters.server.jobs import drained, json_body
+from minicpm_pcd_adapters.server.errors import read_body
+from minicpm_pcd_adapters.server.jobs import drained, json_body, observed, replayed
 from minicpm_pcd_adapters.server.metrics import ServerMetrics
 from minicpm_pcd_adapters.server.ollama_calls import OllamaReader, OllamaShowRequest
 from minicpm_pcd_adapters.server.protocol import Choice, Usage
@@ -155,34 +155,29 @@ class OllamaEndpoints:
     async def _answer(
         self, request: Request, read: Callable[[Any], RequestCall | None], chat: bool
     ) -> Response:
-        started, kind, status = time.perf_counter(), "other", 500
-        try:
+        with observed(self.metrics) as seen:
             call = read(await json_body(request))
-            writer = OllamaWriter(self.reader.model, chat)
-            if call is None:  # an empty prompt: Ollama loads the model and answers at once
-                status = 200
-                return JSONResponse(writer.done("load", None) | {"response": ""})
-            kind = call_kind(call)
-            if isinstance(call, GenerateCall) and call.stream:
-                first, pieces, leave = await self.runner.pieces(call)
-                status = 200
-                return _ndjson(self._streamed(writer, first, pieces, leave))
-            answers, tokens = await self.runner.run(call, request)
-            (choice,) = answers
-            status = 200
-            if not call.stream:
-                return JSONResponse(writer.whole(choice, tokens))
-            lines = [
-                writer.piece(choice.message.content or "", _logprobs_of(choice), _calls_of(choice)),
-                writer.done(_reason(choice), tokens, _extension(choice)),
-            ]
-            return _ndjson(_replayed(lines))
-        except APIError as error:
-            status = error.status
-            raise
-        finally:
-            self.metrics.requests.labels(kind, str(status)).inc()
-            self.metrics.latency.labels(kind).observe(time.perf_counter() - started)
+            if call is not None:
+                seen.kind = call_kind(call)
+            response = await self._respond(call, OllamaWriter(self.reader.model, chat), request)
+            seen.status = response.status_code
+            return response
+
+    async def _respond(self, call: RequestCall | None, writer: OllamaWriter, request: Request) -> Response:
+        if call is None:  # an empty prompt: Ollama loads the model and answers at once
+            return JSONResponse(writer.done("load", None) | {"response": ""})
+        if isinstance(call, GenerateCall) and call.stream:
+            first, pieces, leave = await self.runner.pieces(call)
+            return _ndjson(self._streamed(writer, first, pieces, leave))
+        answers, tokens = await self.runner.run(call, request)
+        (choice,) = answers
+        if not call.stream:
+            return JSONResponse(writer.whole(choice, tokens))
+        lines = [
+            writer.piece(choice.message.content or "", _logprobs_of(choice), _calls_of(choice)),
+            writer.done(_reason(choice), tokens, _extension(choice)),
+        ]
+        return _ndjson(replayed(lines))
 
     async def _streamed(
         self, writer: OllamaWriter, first: Any, pieces: Any, leave: Any
@@ -249,11 +244,6 @@ class OllamaEndpoints:
             "parameter_size": f"{sum(p.numel() for p in self.engine.model.parameters()) / 1e6:.0f}M",
             "quantization_level": self.engine.precision,
         }
-
-
-async def _replayed(lines: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    for line in lines:
-        yield line
 
 
 def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:

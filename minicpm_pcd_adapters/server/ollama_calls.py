@@ -22,6 +22,7 @@ from minicpm_pcd_adapters.server.calls import (
     RequestCall,
     RequestLimits,
     ToolDecisionCall,
+    sampling_of,
 )
 from minicpm_pcd_adapters.server.constraints import schema_answer
 from minicpm_pcd_adapters.server.errors import APIError, read_body
@@ -192,14 +193,7 @@ class OllamaReader:
     def _options(self, options: OllamaOptions | None) -> tuple[Sampling, int, list[str]]:
         o = options or OllamaOptions()
         try:
-            sampling = Sampling(
-                temperature=o.temperature or 0.0,
-                top_p=o.top_p if o.top_p is not None else 1.0,
-                top_k=max(o.top_k or 0, 0),
-                min_p=o.min_p or 0.0,
-                repetition_penalty=o.repeat_penalty if o.repeat_penalty is not None else 1.0,
-                seed=o.seed,
-            )
+            sampling = sampling_of(o.temperature, o.top_p, o.top_k, o.min_p, o.repeat_penalty, o.seed)
         except InputError as error:
             raise APIError(400, str(error), param="options") from None
         asked = o.num_predict if o.num_predict is not None and o.num_predict > 0 else self.default_max_tokens

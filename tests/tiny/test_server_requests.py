@@ -17,17 +17,8 @@ from minicpm_pcd_adapters.server.calls import ChatTemplate
 from minicpm_pcd_adapters.server.errors import APIError
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Sampling
-from tests.helpers import served
+from tests.helpers import ROUTE, served
 
-ROUTE = {
-    "type": "object",
-    "title": "Route",
-    "properties": {
-        "topic": {"type": "string", "enum": ["billing", "bug", "other"]},
-        "urgent": {"type": "boolean"},
-    },
-    "required": ["topic", "urgent"],
-}
 ASKED = [{"role": "user", "content": "The app crashes when I pay."}]
 
 
