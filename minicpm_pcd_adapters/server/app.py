@@ -82,7 +82,7 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     )
     tokens = TokenEndpoints(engine, settings.model_name, completions.limits)
     created = int(time.time())
-    reader = OllamaReader(settings, completions.limits, completions.template)
+    reader = OllamaReader(settings, completions.limits)
     ollama = OllamaEndpoints(completions, reader, engine, metrics, created)
 
     @asynccontextmanager

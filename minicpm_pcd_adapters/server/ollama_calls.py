@@ -16,7 +16,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minicpm_pcd_adapters.server.calls import (
-    ChatTemplate,
     ClassifyCall,
     GenerateCall,
     RequestCall,
@@ -109,9 +108,8 @@ class OllamaShowRequest(_Lenient):
 class OllamaReader:
     """Ollama's requests read into the server's calls, checked before any model work (APIError)."""
 
-    def __init__(self, settings: ServerSettings, limits: RequestLimits, template: ChatTemplate) -> None:
-        self.model, self.limits, self.template = settings.model_name, limits, template
-        self.default_max_tokens = settings.max_tokens
+    def __init__(self, settings: ServerSettings, limits: RequestLimits) -> None:
+        self.model, self.limits, self.default_max_tokens = settings.model_name, limits, settings.max_tokens
 
     def names(self) -> tuple[str, ...]:
         """The names clients may send: the served name, and with Ollama's default tag."""
