@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pcd_engine import PCDEngine, PCDError
 
 JSON_SUFFIXES = {".jsonl", ".ndjson", ".json"}
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,16 +83,24 @@ def _unterminated(path: Path) -> int:
 
 def answered_lines(output: Path) -> set[int]:
     """Line numbers already answered in `output`; a torn last record is cut off the file."""
+    return set(whole_records(output, lambda record: int(record["line"])))
+
+
+def whole_records(output: Path, read: Callable[[Any], T]) -> list[T]:
+    """`read` of each whole record of the JSONL file `output`, from its start up to the first torn
+    or foreign one (a line without its newline, not JSON, or one `read` refuses with ValueError,
+    KeyError or TypeError), which is cut off the file with everything after it: a resumed run
+    answers those lines again."""
     if not output.exists():
-        return set()
-    done: set[int] = set()
-    keep = 0  # bytes of whole, parsable records
+        return []
+    done: list[T] = []
+    keep = 0  # bytes of whole, readable records
     with output.open("rb") as handle:
         for raw in handle:
             try:
                 if not raw.endswith(b"\n"):
                     raise ValueError("torn")
-                done.add(int(json.loads(raw)["line"]))
+                done.append(read(json.loads(raw)))
             except (ValueError, KeyError, TypeError):
                 break  # a torn or foreign line: everything from here is redone
             keep += len(raw)

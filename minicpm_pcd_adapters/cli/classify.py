@@ -18,6 +18,7 @@ from minicpm_pcd_adapters.cli.options import (
     engine_options,
     fail,
     input_options,
+    run_exit,
     set_up,
     stopped_by_signals,
 )
@@ -105,10 +106,7 @@ def run(setup: Setup, args: argparse.Namespace) -> int:
         f"{summary.skipped} already done -> {output}",
         file=sys.stderr,
     )
-    if summary.stopped:
-        print("pcd: stopped before the end of the input; rerun with --resume to finish", file=sys.stderr)
-        return 130
-    return 1 if summary.errors else 0
+    return run_exit(summary.stopped, summary.errors)
 
 
 def run_ray(args: argparse.Namespace) -> int:

@@ -92,6 +92,15 @@ def stopped_by_signals() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
+def run_exit(stopped: bool, failed: int) -> int:
+    """The exit code of a long run (classify, run-batch): 130 stopped by a signal (saying how to
+    finish), 1 some inputs got error records, else 0."""
+    if stopped:
+        print("pcd: stopped before the end of the input; rerun with --resume to finish", file=sys.stderr)
+        return 130
+    return 1 if failed else 0
+
+
 def portable_schema(spec: str | None) -> str | None:
     """A --schema with its file made absolute, so that a process elsewhere (a Ray actor or replica)
     finds it; `module:Class` as given."""

@@ -18,6 +18,7 @@ from minicpm_pcd_adapters.cli.options import (
     fail,
     model_options,
     portable_schema,
+    run_exit,
     stopped_by_signals,
 )
 from minicpm_pcd_adapters.files import count_lines
@@ -114,10 +115,7 @@ def main(args: argparse.Namespace) -> int:
         f"already done -> {output}",
         file=sys.stderr,
     )
-    if summary.stopped:
-        print("pcd: stopped before the end of the input; rerun with --resume to finish", file=sys.stderr)
-        return 130
-    return 1 if summary.failed else 0
+    return run_exit(summary.stopped, summary.failed)
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from minicpm_pcd_adapters.files import whole_records
+
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/classify", "/classify")
 
 
@@ -45,26 +47,9 @@ class BatchSummary:
 
 
 def answered_records(output: Path) -> int:
-    """How many whole batch records `output` holds from its start; a torn or foreign line and
-    everything after it is cut off the file (those lines are answered again)."""
-    if not output.exists():
-        return 0
-    count, keep = 0, 0
-    with output.open("rb") as handle:
-        for raw in handle:
-            try:
-                if not raw.endswith(b"\n"):
-                    raise ValueError("torn")
-                record = json.loads(raw)
-                if not isinstance(record, dict) or "custom_id" not in record:
-                    raise ValueError("not a batch record")
-            except ValueError:
-                break
-            count, keep = count + 1, keep + len(raw)
-    if keep < output.stat().st_size:
-        with output.open("r+b") as handle:
-            handle.truncate(keep)
-    return count
+    """How many whole batch records (objects with a `custom_id`) `output` holds from its start; a
+    torn or foreign line and everything after it is cut off the file (`files.whole_records`)."""
+    return len(whole_records(output, lambda record: record["custom_id"]))
 
 
 def run_batch_file(
