@@ -132,6 +132,13 @@ def rows_in(tree: TokenTree, whole: TokenTree) -> tuple[torch.Tensor, torch.Tens
     return torch.tensor(rows, dtype=torch.long), torch.tensor(columns, dtype=torch.long)
 
 
+def path_scores(tree: TokenTree, scores: torch.Tensor, candidate: int) -> torch.Tensor:
+    """Per token of one candidate's continuation, its entry in `tree`'s scored columns `scores`."""
+    rows = [pred - tree.root for pred, _ in tree.paths[candidate]]
+    columns = [tree.column[token] for _, token in tree.paths[candidate]]
+    return scores[torch.tensor(rows), torch.tensor(columns)]
+
+
 def _prefixes(tree: TokenTree) -> list[tuple[int, ...]]:
     """Per fed index, the tokens from the first fed one up to it."""
     out: list[tuple[int, ...]] = []

@@ -9,6 +9,9 @@ entries go first) and safe under threads.
 `frozen_view` serves a stored prefix to one forward call that must not keep anything: each layer
 attends over the prefix (repeated over the batch rows as a view) plus the call's new tokens, and
 keeps none of them, so the new keys and values of a layer are freed once its attention is done.
+`kept_view` is the same for a call whose own tokens a later call reads (a shortlist's second pass on
+the first pass's trees): it keeps the call's keys and values, apart from the prefix and once per row,
+so the prefix is never copied per row; `freeze` then serves prefix and kept tokens to that later call.
 The engine stores the per-schema prompt head, so every request with the same schema and instructions
 computes only its own text, the assistant start and the branches.
 """
@@ -113,6 +116,34 @@ def frozen_view(kv: Any, rows: int = 1) -> Any:
     return view
 
 
+def kept_view(kv: Any, rows: int = 1) -> Any:
+    """`frozen_view`, but the call's own keys and values are kept (per row, after the prefix) for a
+    later call; None when `kv` is not a plain DynamicCache."""
+    view = frozen_view(kv, rows)
+    if view is not None:
+        for layer in view.layers:
+            layer.__class__ = _KeptLayer
+            layer.own_keys = layer.own_values = None
+    return view
+
+
+def freeze(kv: Any, rows: int) -> Any:
+    """A cache for one more call of `rows` rows over everything `kv` holds (a `kept_view` after its call,
+    or a DynamicCache the model grew), which keeps nothing of that call."""
+    layers = kv.layers if isinstance(kv, DynamicCache) else []
+    if layers and all(isinstance(layer, _KeptLayer) for layer in layers):
+        view = copy.copy(kv)
+        view.layers = [copy.copy(layer) for layer in layers]
+        for layer in view.layers:
+            assert isinstance(layer, _KeptLayer)
+            layer.keeping = False
+        return view
+    view = frozen_view(kv, rows)
+    if view is None:
+        raise TypeError(f"cannot serve a {type(kv).__name__} to a later call without copying it")
+    return view
+
+
 def _dynamic(kv: Any) -> bool:
     if type(kv) is not DynamicCache:
         return False
@@ -133,6 +164,35 @@ class _FrozenLayer(DynamicLayer):
         keys = torch.cat([self.keys.expand(shape), key_states], dim=-2)
         values = torch.cat([self.values.expand(shape), value_states], dim=-2)
         return keys, values
+
+
+class _KeptLayer(DynamicLayer):
+    """A `_FrozenLayer` that keeps the call's own keys and values (`own_keys`, `rows` rows) apart from
+    the stored prefix, and serves both to the next call; with `keeping` off it adds nothing more."""
+
+    rows = 1
+    keeping = True
+    own_keys: torch.Tensor | None = None
+    own_values: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None
+        shape = (self.rows, -1, -1, -1)
+        own_keys, own_values = key_states, value_states
+        if self.own_keys is not None and self.own_values is not None:
+            own_keys = torch.cat([self.own_keys, key_states], dim=-2)
+            own_values = torch.cat([self.own_values, value_states], dim=-2)
+        if self.keeping:
+            self.own_keys, self.own_values = own_keys, own_values
+        keys = torch.cat([self.keys.expand(shape), own_keys], dim=-2)
+        values = torch.cat([self.values.expand(shape), own_values], dim=-2)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        own = self.own_keys.shape[-2] if self.own_keys is not None else 0
+        return super().get_seq_length() + own
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

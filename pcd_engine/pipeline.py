@@ -37,6 +37,7 @@ from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, elapsed_ms, example_turns, rendered
 from pcd_engine.rules import Rule, get_rule
+from pcd_engine.runner import Kept
 from pcd_engine.schema import Limits, compile_schema
 from pcd_engine.scorer import Scorer
 
@@ -140,15 +141,18 @@ class Pipeline:
             capture = [
                 HiddenCapture(len(r.prompt.head), len(r.prompt.head) + len(r.prompt.text)) for r in live
             ]
-        runs = self.scorer.score(plan, [r.prompt.ids for r in live], stats, capture=capture)
+        ids = [r.prompt.ids for r in live]
+        kept: list[Kept] | None = [] if plan.shortlisted else None  # for the shortlists' second pass
+        runs = self.scorer.score(plan, ids, stats, capture=capture, kept=kept)
         scored = time.perf_counter()
         wanted = any(dp.rule.corrects_prior for dp in plan.decisions)
         priors = self.scorer.priors(plan, stats[0]) if wanted else None
         for k, (request, logprobs) in enumerate(zip(live, runs, strict=True)):
             request.fields = decide(plan, logprobs, priors)
-            self.scorer.finish_shortlists(plan, request.prompt.ids, request.fields, request.stats, priors)
             if capture is not None:
                 request.hidden = capture[k].states()
+        self.scorer.finish_shortlists(plan, ids, [r.fields for r in live], stats, priors, kept)
+        for request in live:
             request.timings["forward"] = (scored - began) * 1e3 / len(live)
             request.timings["score"] = elapsed_ms(scored) / len(live)
 

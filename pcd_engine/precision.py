@@ -39,7 +39,7 @@ from pcd_engine.plan import SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, elapsed_ms
 from pcd_engine.rules import token_logprobs
-from pcd_engine.runner import BranchRunner, PassStats
+from pcd_engine.runner import BranchRunner, Kept, PassStats
 from pcd_engine.scorer import Scorer
 
 # max |packed - separate| per token log-prob (nats) that a sound packed path stays within
@@ -148,7 +148,8 @@ class FP32Rescorer:
         if not low:
             return
         stats = PassStats()
-        (logprobs,) = self.scorer.score(plan, [request.prompt.ids], [stats], only=low)
+        kept: list[Kept] = []
+        (logprobs,) = self.scorer.score(plan, [request.prompt.ids], [stats], only=low, kept=kept)
         priors = None
         if any(scored[k].rule.corrects_prior for k in low):
             priors = self.scorer.priors(plan, stats)
@@ -157,7 +158,7 @@ class FP32Rescorer:
             dp = scored[k]
             prior = priors[k] if priors is not None else None
             fields[dp.decision.path] = decide_field(dp, lp, prior, dp.rule)
-        self.scorer.finish_shortlists(plan, request.prompt.ids, fields, stats, priors, among=low)
+        self.scorer.finish_shortlists(plan, [request.prompt.ids], [fields], [stats], priors, kept, among=low)
         for path, result in fields.items():
             request.fields[path] = dataclasses.replace(result, rescored=True)
         self.rescored_fields += len(low)

@@ -76,6 +76,23 @@ class LMHeadProjection:
         parts = torch.split(torch.log_softmax(logits.float(), dim=-1), sizes, dim=1)
         return to_cpu([p[..., list(t.vocab)] for p, t in zip(parts, trees, strict=True)]), output
 
+    def target_logprobs(self, inputs: dict[str, Any], targets: torch.Tensor) -> torch.Tensor:
+        """The log-prob (over the whole vocabulary) of each position's target token (B, N), on the CPU,
+        from the model run on `inputs`; a chunk of positions at a time, as for normalised trees."""
+        if not self.head_splits:
+            logits = self.model(**inputs).logits.float()
+            return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0].cpu()
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state
+        head = self.model.get_output_embeddings()
+        flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        budget = LOGITS_BYTES.get(flat.device.type, LOGITS_BYTES["cpu"])
+        step = max(1, budget // (4 * head.weight.shape[0]))
+        pieces = []
+        for i in range(0, flat.shape[0], step):
+            logprobs = torch.log_softmax(head(flat[i : i + step]).float(), dim=-1)
+            pieces.append(logprobs.gather(-1, wanted[i : i + step, None])[:, 0])
+        return torch.cat(pieces).reshape(targets.shape).cpu()
+
     def project(
         self, hidden: torch.Tensor, trees: Sequence[TokenTree], normalized: Sequence[bool]
     ) -> list[torch.Tensor]:

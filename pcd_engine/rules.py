@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from pcd_engine.branches import TokenTree
+from pcd_engine.branches import TokenTree, path_scores
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,7 @@ def tree_shape(rule: Rule) -> tuple[bool, bool, bool]:
 
 def token_logprobs(tree: TokenTree, logprobs: torch.Tensor) -> list[torch.Tensor]:
     """Per candidate, the log-prob of each continuation token given everything before it."""
-    rows = {fed: row for row, fed in enumerate(tree.scored)}
-    out = []
-    for path in tree.paths:
-        index = torch.tensor([rows[pred] for pred, _ in path])
-        columns = torch.tensor([tree.column[token] for _, token in path])
-        out.append(logprobs[index, columns])
-    return out
+    return [path_scores(tree, logprobs, c) for c in range(len(tree.paths))]
 
 
 def from_scores(log_scores: torch.Tensor, chosen: int | None = None) -> Scores:

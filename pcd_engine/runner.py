@@ -9,6 +9,8 @@ when CUDA runs out of memory, a group is halved and retried.
 Where the head's KV comes from (the prefix cache, or computed now) is the caller's choice
 (`scorer.py`); the layout of a call is `packing.py`'s, the LM head `projection.py`'s. Given a
 `HiddenCapture` per prompt, the same calls also keep the hidden states a head reads (`hidden.py`).
+Given a `kept` list, a call that runs whole keeps its KV for a second pass (`continue_call`,
+`continuation.py`), which feeds only tokens past the first call's trees.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import torch
 
 from pcd_engine import hidden, packing
 from pcd_engine.branches import TokenTree
-from pcd_engine.cache import frozen_view
+from pcd_engine.cache import freeze, frozen_view, kept_view
+from pcd_engine.continuation import Continuation, KeptCall, pack_continuations
 from pcd_engine.hidden import HiddenCapture
 from pcd_engine.projection import LMHeadProjection
 
 # per row of a call: its capture, the text's (start, end) in the row, the call's trees' global indices
 RowCapture = tuple[HiddenCapture, tuple[int, int] | None, Sequence[int]]
+# one prompt's first call, kept for a second pass, and its row in it (None: not kept, see `run`)
+Kept = tuple[KeptCall, int] | None
 
 
 @dataclass
@@ -83,18 +88,24 @@ class BranchRunner:
         past: int = 0,
         normalized: Sequence[bool] | None = None,
         capture: HiddenCapture | None = None,
+        kept: list[Kept] | None = None,
     ) -> list[torch.Tensor]:
         """For each tree, its scored columns (see the class) after one prompt; with `capture`, also
-        its hidden states (the text must start at or after `past`)."""
+        its hidden states (the text must start at or after `past`). `kept` receives the call for a
+        second pass, or None where the trees ran in microbatches (their tokens are not all kept)."""
         normalized = list(normalized) if normalized is not None else [True] * len(trees)
         budget = self.max_tokens_per_forward
         groups = packing.microbatches(trees, max(budget - len(prompt_ids) + past, 1), budget)
+        whole = len(groups) == 1
+        keeping = kept is not None and whole
         out: list[torch.Tensor] = []
-        if len(groups) == 1 and kv is not None:  # nothing of this call is needed afterwards
-            kv = frozen_view(kv) or kv
+        if whole and kv is not None:  # nothing of this call is needed afterwards, or only its own part
+            view = kept_view(kv) if keeping else frozen_view(kv)
+            keeping = keeping and view is not None
+            kv = view or kv
         for number, group in enumerate(groups):
             feed = prompt_ids[past:] if number == 0 else ()
-            keep_kv = len(groups) > 1 or kv is not None
+            keep_kv = not whole or kv is not None or keeping
             chosen = [trees[i] for i in group]
             packed = packing.pack_inputs(feed, len(prompt_ids) - len(feed), chosen)
             rows = None
@@ -105,8 +116,10 @@ class BranchRunner:
             stats.forward_calls += 1
             stats.fed_tokens += packed.ids.shape[1]
             out.extend(scores)
-            if kv is not None and len(groups) > 1:  # drop this group's tree tokens, keep the prompt
+            if kv is not None and not whole:  # drop this group's tree tokens, keep the prompt
                 kv.crop(-(kv.get_seq_length() - len(prompt_ids)))
+        if kept is not None:
+            kept.append((KeptCall(kv, packed, past, tuple(trees)), 0) if keeping else None)
         return out
 
     @torch.inference_mode()
@@ -119,10 +132,12 @@ class BranchRunner:
         past: int,
         normalized: Sequence[bool],
         capture: Sequence[HiddenCapture] | None = None,
+        kept: list[Kept] | None = None,
     ) -> list[list[torch.Tensor]]:
         """`run` for prompts that share their first `past` tokens (whose KV is `kv`) and each `fits`,
         several per forward call: rows sorted by width, grouped within the token budget; with
-        `capture` (one per prompt), their hidden states too."""
+        `capture` (one per prompt), their hidden states too; `kept` receives one entry per prompt
+        (its call and row)."""
         tree_tokens = packing.fed_tokens(trees)
         width = [len(p) - past + tree_tokens for p in prompts]
         groups: list[list[int]] = [[]]
@@ -131,8 +146,11 @@ class BranchRunner:
                 groups.append([])
             groups[-1].append(i)
         out: dict[int, list[torch.Tensor]] = {}
+        calls: dict[int, Kept] | None = {} if kept is not None else None
         for group in groups:
-            out.update(self._rows(prompts, group, trees, normalized, kv, past, stats, capture))
+            out.update(self._rows(prompts, group, trees, normalized, kv, past, stats, capture, calls))
+        if kept is not None and calls is not None:
+            kept.extend(calls[i] for i in range(len(prompts)))
         return [out[i] for i in range(len(prompts))]
 
     def _rows(
@@ -145,9 +163,13 @@ class BranchRunner:
         past: int,
         stats: Sequence[PassStats],
         capture: Sequence[HiddenCapture] | None,
+        kept: dict[int, Kept] | None = None,
     ) -> dict[int, list[torch.Tensor]]:
-        """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many."""
-        kv = frozen_view(shared, len(group)) if shared is not None else None
+        """One forward call for the group's rows; on CUDA out-of-memory, two calls of half as many.
+        `kept` receives, per prompt number, the call kept for a second pass (None: not kept)."""
+        view = kept_view if kept is not None else frozen_view
+        kv = view(shared, len(group)) if shared is not None else None
+        keeping = kept is not None and (kv is not None or shared is None)
         if kv is None and shared is not None:  # not a DynamicCache: a real copy, repeated per row
             kv = copy.deepcopy(shared)
             if len(group) > 1:
@@ -163,7 +185,7 @@ class BranchRunner:
                 c = capture[i]
                 rows.append((c, (pad + c.text_start - past, pad + c.text_end - past), range(len(trees))))
         try:
-            scores, _ = self._forward(packed, trees, normalized, kv, False, rows)
+            scores, grown = self._forward(packed, trees, normalized, kv, keeping and kv is None, rows)
         except torch.OutOfMemoryError:
             if len(group) == 1:
                 raise
@@ -171,13 +193,41 @@ class BranchRunner:
             torch.cuda.empty_cache()
             half = len(group) // 2
             return {
-                **self._rows(prompts, group[:half], trees, normalized, shared, past, stats, capture),
-                **self._rows(prompts, group[half:], trees, normalized, shared, past, stats, capture),
+                **self._rows(prompts, group[:half], trees, normalized, shared, past, stats, capture, kept),
+                **self._rows(prompts, group[half:], trees, normalized, shared, past, stats, capture, kept),
             }
         for i in group:
             stats[i].forward_calls += 1
             stats[i].fed_tokens += len(prompts[i]) - past + tree_tokens
+        if kept is not None:  # a kept view kept its part in place; a new cache is the model's own
+            call = KeptCall(grown if kv is None else kv, packed, past, tuple(trees)) if keeping else None
+            kept.update({i: (call, row) if call is not None else None for row, i in enumerate(group)})
         return dict(zip(group, scores, strict=True))
+
+    @torch.inference_mode()
+    def continue_call(
+        self,
+        kept: KeptCall,
+        per_row: Sequence[Sequence[tuple[TokenTree, Continuation]]],
+        stats: Sequence[PassStats | None],
+    ) -> list[list[torch.Tensor]]:
+        """A second pass on a kept first call (continuation.py): per row, per continuation, the
+        log-probs (over the whole vocabulary) of its targets, in one forward call. `stats` (one per
+        row, None for a row with nothing of its own) count the call and each row's own tokens."""
+        inputs = pack_continuations(kept, per_row)
+        model_inputs: dict[str, Any] = {
+            "input_ids": inputs.ids.to(self.device),
+            "attention_mask": packing.additive_mask(inputs.allowed.to(self.device), self.dtype),
+            "position_ids": inputs.positions.to(self.device),
+            "use_cache": False,
+            self.cache_kw: freeze(kept.kv, kept.rows),
+        }
+        logprobs = self.projection.target_logprobs(model_inputs, inputs.targets.to(self.device))
+        for counters, spans in zip(stats, inputs.spans, strict=True):
+            if counters is not None:
+                counters.forward_calls += 1
+                counters.fed_tokens += sum(end - start for start, end in spans)
+        return [[logprobs[r, a:b] for a, b in spans] for r, spans in enumerate(inputs.spans)]
 
     @torch.inference_mode()
     def prefill_head(self, head: Sequence[int], stats: PassStats) -> Any:

@@ -21,13 +21,14 @@ import torch
 
 from pcd_engine import shortlist
 from pcd_engine.bounded_cache import BoundedCache
-from pcd_engine.branches import TokenTree, rows_in, sub_tree
+from pcd_engine.branches import TokenTree, path_scores, rows_in, sub_tree
 from pcd_engine.cache import PrefixCache
+from pcd_engine.continuation import Continuation, KeptCall, continuation_of
 from pcd_engine.hidden import HiddenCapture
-from pcd_engine.plan import SchemaPlan
+from pcd_engine.plan import DecisionPlan, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.results import FieldResult
-from pcd_engine.runner import BranchRunner, PassStats
+from pcd_engine.runner import BranchRunner, Kept, PassStats
 
 CONTENT_FREE_TEXTS = ("N/A", "", "[MASK]")
 
@@ -56,33 +57,42 @@ class Scorer:
         only: Sequence[int] | None = None,
         normalized: Sequence[bool] | None = None,
         capture: Sequence[HiddenCapture] | None = None,
+        kept: list[Kept] | None = None,
     ) -> list[list[torch.Tensor]]:
         """Per prompt, per tree of the plan (or the trees numbered `only`), the runner's scored
         columns. Every prompt starts with the plan's head; `normalized` overrides the plan's. With
-        `capture` (one per prompt), the same calls read each prompt's hidden states into it."""
+        `capture` (one per prompt), the same calls read each prompt's hidden states into it. `kept`
+        receives, per prompt, its call kept for the shortlists' second pass (`finish_shortlists`)."""
         picked = range(len(plan.trees)) if only is None else only
         trees = [plan.trees[k] for k in picked]
         normalized = [plan.normalized[k] for k in picked] if normalized is None else list(normalized)
         if not trees:
+            if kept is not None:
+                kept.extend(None for _ in prompts)
             return [[] for _ in prompts]
         head_len = len(plan.head)
         if len(prompts) == 1:  # one call even without a prefix cache (a batch computes the head apart)
-            return [self._alone(prompts[0], trees, stats[0], head_len, normalized, _at(capture, 0))]
+            return [self._alone(prompts[0], trees, stats[0], head_len, normalized, _at(capture, 0), kept)]
         fits = [self.runner.fits(len(p) - head_len, trees) for p in prompts]
         together = [i for i, ok in enumerate(fits) if ok]
-        out = {  # a prompt too long for the budget runs alone, its trees in microbatches
-            i: self._alone(p, trees, stats[i], head_len, normalized, _at(capture, i))
-            for i, (p, ok) in enumerate(zip(prompts, fits, strict=True))
-            if not ok
-        }
+        out, calls = {}, {}
+        for i, (p, ok) in enumerate(zip(prompts, fits, strict=True)):
+            if not ok:  # a prompt too long for the budget runs alone, its trees in microbatches
+                own: list[Kept] = []
+                out[i] = self._alone(p, trees, stats[i], head_len, normalized, _at(capture, i), own)
+                calls[i] = own[0]
         if together:
             kv = self._shared_head(prompts[together[0]][:head_len], [stats[i] for i in together])
             rows = [prompts[i] for i in together]
             captured = [capture[i] for i in together] if capture is not None else None
+            shared: list[Kept] = []
             scored = self.runner.run_rows(
-                rows, trees, [stats[i] for i in together], kv, head_len, normalized, captured
+                rows, trees, [stats[i] for i in together], kv, head_len, normalized, captured, shared
             )
             out.update(zip(together, scored, strict=True))
+            calls.update(zip(together, shared, strict=True))
+        if kept is not None:
+            kept.extend(calls[i] for i in range(len(prompts)))
         return [out[i] for i in range(len(prompts))]
 
     def priors(
@@ -116,32 +126,101 @@ class Scorer:
     def finish_shortlists(
         self,
         plan: SchemaPlan,
-        prompt_ids: Sequence[int],
-        fields: dict[str, FieldResult],
-        stats: PassStats,
+        prompts: Sequence[Sequence[int]],
+        fields: Sequence[dict[str, FieldResult]],
+        stats: Sequence[PassStats],
         priors: Sequence[torch.Tensor] | None,
+        kept: Sequence[Kept] | None = None,
         among: Collection[int] | None = None,
     ) -> None:
-        """A shortlist's second pass for one request (shortlist.py): its shortlisted decisions (those
-        numbered `among` in `plan.scored_decisions`, default all) scored exactly on their best
-        values in one call; `fields` (first-pass results) are replaced in place. `priors` are per
-        whole tree (`priors`)."""
+        """The shortlists' second pass (shortlist.py) for requests scored by `score`: per request, its
+        shortlisted decisions (those numbered `among` in `plan.scored_decisions`, default all) scored
+        exactly on their best values; `fields` (first-pass results, one dict per request) are replaced
+        in place. With `kept` (from `score`), requests of one first call continue it in one call and
+        feed only the tokens past the cut (continuation.py); a request without one feeds its text and
+        the values' whole continuations again, alone. `priors` are per whole tree (`priors`)."""
         todo = [
             (k, dp)
             for k, dp in enumerate(plan.scored_decisions)
             if dp.whole is not None and (among is None or k in among)
         ]
-        picks = [shortlist.best(fields[dp.decision.path], dp.keep) for _, dp in todo]
+        if not todo:
+            return
+        picks = [[shortlist.best(own[dp.decision.path], dp.keep) for _, dp in todo] for own in fields]
+        exact: dict[int, list[list[float]]] = {}
+        by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
+        for i, handle in enumerate(kept if kept is not None else [None] * len(prompts)):
+            if handle is None:
+                exact[i] = self._whole_again(plan, prompts[i], todo, picks[i], stats[i], priors)
+            else:
+                by_call.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
+        for call, requests in by_call.values():
+            exact.update(self._continued(call, requests, todo, picks, fields, stats, priors))
+        for i, own in enumerate(fields):
+            for (_, dp), pick, scores in zip(todo, picks[i], exact[i], strict=True):
+                path = dp.decision.path
+                own[path] = shortlist.combined(own[path], pick, scores, dp.rule_name)
+
+    def _continued(
+        self,
+        call: KeptCall,
+        requests: dict[int, int],
+        todo: Sequence[tuple[int, DecisionPlan]],
+        picks: Sequence[Sequence[Sequence[int]]],
+        fields: Sequence[dict[str, FieldResult]],
+        stats: Sequence[PassStats],
+        priors: Sequence[torch.Tensor] | None,
+    ) -> dict[int, list[list[float]]]:
+        """Exact scores of the picked values of the requests on rows `requests` of one kept call: the
+        first pass's score plus the log-probs past the cut (minus their prior), in one call."""
+        per_row: list[list[tuple[TokenTree, Continuation]]] = [[] for _ in range(call.rows)]
+        for row, i in requests.items():
+            for (_, dp), pick in zip(todo, picks[i], strict=True):
+                assert dp.tree is not None and dp.whole is not None
+                for c in pick:
+                    cont = continuation_of(dp.tree, dp.whole, c)
+                    if cont is not None:
+                        per_row[row].append((dp.tree, cont))
+        owners = [stats[requests[r]] if r in requests else None for r in range(call.rows)]
+        runs = self.runner.continue_call(call, per_row, owners) if any(per_row) else None
+        out: dict[int, list[list[float]]] = {}
+        for row, i in requests.items():
+            tails = iter(runs[row] if runs is not None else ())
+            out[i] = []
+            for (k, dp), pick in zip(todo, picks[i], strict=True):
+                assert dp.tree is not None and dp.whole is not None
+                first = list(fields[i][dp.decision.path].log_scores.values())
+                scores = []
+                for c in pick:
+                    cut = len(dp.tree.paths[c])
+                    tail = next(tails) if continuation_of(dp.tree, dp.whole, c) is not None else None
+                    if tail is not None and dp.rule.corrects_prior and priors is not None:
+                        tail = tail - path_scores(dp.whole, priors[k], c)[cut:]
+                    scores.append(first[c] + (float(tail.double().sum()) if tail is not None else 0.0))
+                out[i].append(scores)
+        return out
+
+    def _whole_again(
+        self,
+        plan: SchemaPlan,
+        prompt_ids: Sequence[int],
+        todo: Sequence[tuple[int, DecisionPlan]],
+        picks: Sequence[Sequence[int]],
+        stats: PassStats,
+        priors: Sequence[torch.Tensor] | None,
+    ) -> list[list[float]]:
+        """Exact scores of one request's picked values from their whole sub-trees, fed after its
+        prompt again (its first call was not kept)."""
         trees = [sub_tree(dp.whole, pick) for (_, dp), pick in zip(todo, picks, strict=True) if dp.whole]
-        runs = self.score_trees(plan, prompt_ids, trees, stats) if trees else []
-        for (k, dp), pick, tree, logprobs in zip(todo, picks, trees, runs, strict=True):
+        runs = self.score_trees(plan, prompt_ids, trees, stats)
+        out = []
+        for (k, dp), tree, logprobs in zip(todo, trees, runs, strict=True):
             assert dp.whole is not None
             if dp.rule.corrects_prior and priors is not None:
                 rows, columns = rows_in(tree, dp.whole)
                 logprobs = logprobs - priors[k][rows][:, columns]
-            exact = dp.rule.score(tree, logprobs).log_scores
-            path = dp.decision.path
-            fields[path] = shortlist.combined(fields[path], pick, exact, dp.rule_name)
+            out.append(list(dp.rule.score(tree, logprobs).log_scores))
+        return out
 
     def head_kv(self, prompt_ids: Sequence[int], head_len: int, stats: PassStats) -> tuple[Any, int]:
         """(private KV, length) of the longest cached prefix of the prompt; on a miss, the first
@@ -171,8 +250,11 @@ class Scorer:
         head_len: int,
         normalized: Sequence[bool],
         capture: HiddenCapture | None = None,
+        kept: list[Kept] | None = None,
     ) -> list[torch.Tensor]:
         if not trees:  # a plan of single-value fields: nothing to run, not even the head
+            if kept is not None:
+                kept.append(None)
             return []
         kv, past = self.head_kv(prompt_ids, head_len, stats)
         if kv is not None and past >= len(prompt_ids):  # feed one prompt token at least
@@ -181,7 +263,7 @@ class Scorer:
         if capture is not None and kv is not None and past > capture.text_start:  # feed the whole text
             kv.crop(capture.text_start - past)
             past = stats.reused_tokens = capture.text_start
-        return self.runner.run(prompt_ids, trees, stats, kv, past, normalized, capture)
+        return self.runner.run(prompt_ids, trees, stats, kv, past, normalized, capture, kept)
 
     def _shared_head(self, head: Sequence[int], stats: Sequence[PassStats]) -> Any:
         """The head's KV for a batch, fetched or computed on the first row's behalf; the other rows

@@ -3,9 +3,11 @@
 A field with many values (banking77's 77 intents: 387 tokens to feed and project whole) is scored in
 two passes on the same prompt. The first pass reads each value's tree cut at its distinguishing token
 (52 tokens). The second (`Scorer.finish_shortlists`) scores the whole continuations of the `size`
-values the first pass ranks best, exactly: a sub-tree with the same chain (`branches.sub_tree`), so
-each of its tokens has the same tokens before it as in the whole tree and the same log-prob, and
-these values get the scores the whole tree would give them. The answer is always one of them.
+values the first pass ranks best, exactly. It continues the first call's KV (continuation.py): only
+each value's tokens past its cut are fed (about 30 for banking77's 8), each seeing what the cut
+tree's node before it saw, so it gets the log-prob the whole tree would give it. Where the first
+call was not kept (its trees ran in microbatches), the text is fed again with a sub-tree of the
+whole continuations (`branches.sub_tree`), with the same result. The answer is always one of them.
 
 A value outside the shortlist keeps a score, so that probabilities, heads, calibration and abstention
 see every value: its first-pass score plus the shortlisted values' mean tail (whole score minus

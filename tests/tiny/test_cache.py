@@ -19,7 +19,7 @@ def test_diagnostics_say_whether_the_prefix_cache_served_the_head(tiny_tokenizer
 
 
 def test_cached_entries_share_tensors_and_are_never_changed(tiny_tokenizer, tiny_model):
-    from pcd_engine.cache import frozen_view, private_copy
+    from pcd_engine.cache import freeze, frozen_view, kept_view, private_copy
 
     engine = PCDEngine(tiny_model, tiny_tokenizer)
     engine.classify("first", Wide)
@@ -39,3 +39,14 @@ def test_cached_entries_share_tensors_and_are_never_changed(tiny_tokenizer, tiny
     keys, _ = view.layers[0].update(torch.zeros(3, 2, 4, 16), torch.zeros(3, 2, 4, 16))
     assert keys.shape == (3, 2, length + 4, 16) and view.get_seq_length() == length
     assert frozen_view(object()) is None
+    kept = kept_view(stored, rows=3)  # keeps a call's own tokens, per row, apart from the prefix
+    kept.layers[0].update(torch.ones(3, 2, 4, 16), torch.ones(3, 2, 4, 16))
+    assert kept.layers[0].keys.data_ptr() == stored.layers[0].keys.data_ptr()  # the prefix not copied
+    assert kept.layers[0].get_seq_length() == length + 4
+    later = freeze(kept, rows=3)  # the next call sees prefix and kept tokens, and keeps nothing
+    keys, _ = later.layers[0].update(torch.zeros(3, 2, 1, 16), torch.zeros(3, 2, 1, 16))
+    assert keys.shape == (3, 2, length + 5, 16) and torch.equal(
+        keys[:, :, length : length + 4], torch.ones(3, 2, 4, 16)
+    )
+    assert later.layers[0].get_seq_length() == kept.layers[0].get_seq_length() == length + 4
+    assert kept_view(object()) is None

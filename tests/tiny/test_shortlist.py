@@ -16,10 +16,12 @@ from pydantic import BaseModel
 
 from pcd_engine import DEFAULT_RULE, CalibrationError, PCDEngine
 from pcd_engine.branches import build_tree, cut_tree, rows_in, sub_tree
+from pcd_engine.continuation import continuation_of
+from pcd_engine.decisions import decide
 from pcd_engine.precision import separate_logprobs
 from pcd_engine.rules import token_logprobs
 from pcd_engine.runner import PassStats
-from pcd_engine.shortlist import ShortlistPolicy
+from pcd_engine.shortlist import ShortlistPolicy, best
 from tests.helpers import TEXTS, assert_same_scores
 
 WORDS = ["billing", "bug", "refund", "parcel", "password", "email", "order", "app"]
@@ -133,3 +135,95 @@ def test_fp32_rescoring_of_a_shortlisted_field_gives_the_fp32_answer(engines):
         assert got.fields["queue"].rescored and got.fields["queue"].rule == f"{DEFAULT_RULE}+top8"
         assert got.fields["queue"].value == want.fields["queue"].value
         assert got.fields["queue"].log_scores == pytest.approx(want.fields["queue"].log_scores, abs=1e-4)
+
+
+def _passes(engine, plan, prompts, keep):
+    """(fields, picks, counters of the first pass alone, counters of both) for prompts with the plan's
+    head: the first pass, then the second, continuing the kept first calls when `keep`."""
+    first = [PassStats() for _ in prompts]
+    engine.scorer.score(plan, prompts, first)
+    stats = [PassStats() for _ in prompts]
+    kept = [] if keep else None
+    runs = engine.scorer.score(plan, prompts, stats, kept=kept)
+    priors = engine.scorer.priors(plan, PassStats())
+    fields = [decide(plan, run, priors) for run in runs]
+    picks = [best(f["queue"], plan.scored_decisions[0].keep) for f in fields]
+    engine.scorer.finish_shortlists(plan, prompts, fields, stats, priors, kept)
+    assert kept is None or len(kept) == len(prompts)
+    return fields, picks, first, stats, kept
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_second_pass_continues_the_first_calls_kv_and_feeds_only_the_tails(engines, count):
+    """Kept: one more call per first call, feeding only each picked value's tokens past its cut; the
+    scores equal the second pass that feeds the text and the whole continuations again."""
+    shortlisted, _ = engines
+    plan = shortlisted.plan(Routing)
+    queue = plan.scored_decisions[0]
+    prompts = [shortlisted.prompt.with_head(plan.head, t).ids for t in TEXTS[:count]]
+    _passes(shortlisted, plan, prompts[:1], keep=False)  # the head cached
+    got, picks, first, stats, kept = _passes(shortlisted, plan, prompts, keep=True)
+    want, _, _, again, _ = _passes(shortlisted, plan, prompts, keep=False)
+    assert all(k is not None for k in kept) and len({id(k[0]) for k in kept}) == 1  # one first call
+    for g, w, pick, f, s, a, prompt in zip(got, want, picks, first, stats, again, prompts, strict=True):
+        assert g["queue"].log_scores == pytest.approx(w["queue"].log_scores, abs=1e-5)
+        assert g["queue"].value == w["queue"].value
+        tails = [continuation_of(queue.tree, queue.whole, c) for c in pick]
+        assert s.forward_calls == a.forward_calls == f.forward_calls + 1  # one second call either way
+        assert s.fed_tokens - f.fed_tokens == sum(len(t.fed) for t in tails if t is not None) > 0
+        refed = len(prompt) - len(plan.head) + len(sub_tree(queue.whole, pick).tokens)
+        assert a.fed_tokens - f.fed_tokens == refed > s.fed_tokens - f.fed_tokens
+
+
+@pytest.mark.parametrize(
+    ("options", "kept_calls"),
+    [
+        ({"prefix_cache": False}, [0, 0, 0, 0]),
+        ({"max_tokens_per_forward": 16}, [None, None, None, None]),
+        ({"max_tokens_per_forward": 150}, [0, 1, 0, 2]),
+    ],
+    ids=["no-prefix-cache", "microbatches", "several-calls"],
+)
+def test_the_second_pass_is_exact_whatever_the_first_call_kept(engines, options, kept_calls):
+    """Without a prefix cache the first call keeps the model's own cache; in microbatches it keeps
+    nothing and the second pass feeds the text again; under a small budget the rows take several
+    calls and the long one runs alone (`kept_calls`: per text, which first call it continues).
+    Every way, a batch's shortlisted values get the whole tree's scores."""
+    _, whole = engines
+    engine = PCDEngine(whole.model, whole.tokenizer, **options)
+    texts = [*TEXTS[:3], " ".join(TEXTS)]  # the last one too long for a shared call of 150 tokens
+    plan = engine.plan(Routing)
+    kept = []
+    prompts = [engine.prompt.with_head(plan.head, t).ids for t in texts]
+    engine.scorer.score(plan, prompts, [PassStats() for _ in texts], kept=kept)
+    calls = list(dict.fromkeys(id(k[0]) for k in kept if k is not None))
+    assert [calls.index(id(k[0])) if k is not None else None for k in kept] == kept_calls
+    alone = [(engine.classify(t, Routing), whole.classify(t, Routing)) for t in texts[:2]]
+    together = zip(engine.classify_batch(texts, Routing), whole.classify_batch(texts, Routing), strict=True)
+    for got, want in [*together, *alone]:  # one prompt alone: `run`'s own call is kept
+        field, reference = got.fields["queue"], want.fields["queue"]
+        exact = [v for v in VALUES if abs(field.log_scores[v] - reference.log_scores[v]) < 1e-4]
+        assert len(exact) >= 8
+        assert field.value == max(exact, key=reference.log_scores.__getitem__)
+
+
+def test_continued_tokens_get_the_log_probs_of_separate_forward_passes(engines):
+    """The second pass on a batch's kept call, row by row: each continued token's log-prob equals the
+    one a separate forward pass over the prompt and the value's whole continuation gives it."""
+    shortlisted, _ = engines
+    plan = shortlisted.plan(Routing)
+    queue = plan.scored_decisions[0]
+    prompts = [shortlisted.prompt.with_head(plan.head, t).ids for t in TEXTS[:3]]
+    kept = []
+    shortlisted.scorer.score(plan, prompts, [PassStats() for _ in prompts], kept=kept)
+    (call,) = {id(k[0]): k[0] for k in kept}.values()
+    values = {0: [3, 11, 20], 1: [0, 23], 2: []}  # per prompt; a row may continue nothing
+    per_row = [[] for _ in range(call.rows)]
+    for i, chosen in values.items():
+        per_row[kept[i][1]] = [(queue.tree, continuation_of(queue.tree, queue.whole, c)) for c in chosen]
+    runs = shortlisted.runner.continue_call(call, per_row, [None] * call.rows)
+    for i, chosen in values.items():
+        assert len(runs[kept[i][1]]) == len(chosen)
+        for c, got in zip(chosen, runs[kept[i][1]], strict=True):
+            want = separate_logprobs(shortlisted.model, prompts[i], queue.whole, c)
+            assert torch.allclose(got, want[len(queue.tree.paths[c]) :], atol=1e-4)
