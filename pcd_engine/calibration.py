@@ -31,7 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from pcd_engine.errors import CalibrationError
-from pcd_engine.heads import FieldHead, with_probabilities
+from pcd_engine.heads import FieldHead, with_logits
 from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.results import FieldResult
@@ -56,8 +56,7 @@ class FieldCalibration:
     def apply(self, result: FieldResult, hidden: HiddenStates | None = None) -> FieldResult:
         if result.source != "scored" or result.rule == "fixed":
             return result
-        probs = torch.softmax(self.logits(torch.tensor(list(result.log_scores.values()))), dim=0).tolist()
-        return with_probabilities(result, probs, self.method)
+        return with_logits(result, self.logits(torch.tensor(list(result.log_scores.values()))), self.method)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

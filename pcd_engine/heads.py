@@ -66,8 +66,7 @@ class FieldHead:
         if hidden is None:
             raise ValueError(f"field {result.path!r} has a head but the request kept no hidden states")
         z = torch.tensor(list(result.log_scores.values()), dtype=torch.float64)
-        probs = torch.softmax(self.logits(z, self.features(hidden).double()), dim=0).tolist()
-        return with_probabilities(result, probs, "head")
+        return with_logits(result, self.logits(z, self.features(hidden).double()), "head")
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.weight": self.weight, f"{prefix}.mean": self.mean, f"{prefix}.std": self.std}
@@ -105,6 +104,19 @@ class FieldHead:
             float(data["temperature"]),
             float(data["l2"]),
         )
+
+
+def with_logits(result: FieldResult, logits: torch.Tensor, method: str) -> FieldResult:
+    """`result` answered by the softmax of calibrated logits (one per value, in its order). A
+    shortlisted field's values outside its shortlist are estimates: none is put above the lowest
+    shortlisted value, so the answer stays one of the values scored exactly (shortlist.py)."""
+    if result.shortlist is not None:
+        values = list(result.log_scores)
+        exact = torch.tensor([values.index(v) for v in result.shortlist])
+        outside = torch.ones(len(values), dtype=torch.bool)
+        outside[exact] = False
+        logits = torch.where(outside, torch.clamp(logits, max=float(logits[exact].min())), logits)
+    return with_probabilities(result, torch.softmax(logits, dim=0).tolist(), method)
 
 
 def with_probabilities(result: FieldResult, probs: Sequence[float], method: str) -> FieldResult:

@@ -97,7 +97,7 @@ class LearningMixin:
         requests = rendered(items)
         for start in range(0, len(requests), chunk):
             part = requests[start : start + chunk]
-            self.pipeline.score(plan, part, keep)
+            self.pipeline.score(plan, part, keep, calibration)
             self.pipeline.rescore(plan, part)
             self.pipeline.apply_calibration(plan, part, calibration)
             if progress is not None:

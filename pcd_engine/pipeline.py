@@ -126,11 +126,17 @@ class Pipeline:
         return items
 
     def score(
-        self, plan: SchemaPlan, requests: Sequence[Request | PCDError], keep_hidden: bool = False
+        self,
+        plan: SchemaPlan,
+        requests: Sequence[Request | PCDError],
+        keep_hidden: bool = False,
+        calibration: Calibration | None = None,
     ) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the
         rule corrects them), several requests per forward call; with `keep_hidden`, the hidden
-        states a head reads, from the same calls. Errors in `requests` are skipped."""
+        states a head reads, from the same calls. A shortlisted field's exact values are those its
+        first pass ranks best, through `calibration` where the call has one (phase 4 applies it).
+        Errors in `requests` are skipped."""
         live = rendered(requests)
         if not live:
             return
@@ -151,7 +157,11 @@ class Pipeline:
             request.fields = decide(plan, logprobs, priors)
             if capture is not None:
                 request.hidden = capture[k].states()
-        self.scorer.finish_shortlists(plan, ids, [r.fields for r in live], stats, priors, kept)
+        ranking = None
+        if calibration is not None and plan.shortlisted:
+            ranking = [apply_all(calibration.fields, r.fields, r.hidden) for r in live]
+        fields = [r.fields for r in live]
+        self.scorer.finish_shortlists(plan, ids, fields, stats, priors, kept, ranking=ranking)
         for request in live:
             request.timings["forward"] = (scored - began) * 1e3 / len(live)
             request.timings["score"] = elapsed_ms(scored) / len(live)

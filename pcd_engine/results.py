@@ -30,7 +30,9 @@ class FieldResult:
     calibration was applied (`calibration` names its method: "bias", "temperature", "batch", "none"),
     the calibrated ones, and `value` is then their most probable value; `calibrated` is True when
     they differ from the raw ones' method. `abstained` marks a field whose confidence was below the
-    request's `abstain_below`. A generated field (`source == "generated"`) has its value (any JSON
+    request's `abstain_below`. A shortlisted field (rule "...+topN") lists in `shortlist` the values
+    its second pass scored exactly; the others' scores are estimates and the answer is never one of
+    them. A generated field (`source == "generated"`) has its value (any JSON
     value) and no scores.
     """
 
@@ -45,6 +47,7 @@ class FieldResult:
     rescored: bool = False  # decided on the FP32 reference model (its margin was below the threshold)
     calibration: str | None = None  # the method of the calibration applied, None if none was
     abstained: bool = False  # confidence below the request's abstain_below: review this field
+    shortlist: tuple[JSONScalar, ...] | None = None  # values scored exactly (shortlist.py); None: all
 
     @classmethod
     def scored(cls, path: str, values: Sequence[JSONScalar], scores: Scores, rule: str) -> FieldResult:

@@ -132,13 +132,16 @@ class Scorer:
         priors: Sequence[torch.Tensor] | None,
         kept: Sequence[Kept] | None = None,
         among: Collection[int] | None = None,
+        ranking: Sequence[dict[str, FieldResult]] | None = None,
     ) -> None:
         """The shortlists' second pass (shortlist.py) for requests scored by `score`: per request, its
         shortlisted decisions (those numbered `among` in `plan.scored_decisions`, default all) scored
         exactly on their best values; `fields` (first-pass results, one dict per request) are replaced
         in place. With `kept` (from `score`), requests of one first call continue it in one call and
         feed only the tokens past the cut (continuation.py); a request without one feeds its text and
-        the values' whole continuations again, alone. `priors` are per whole tree (`priors`)."""
+        the values' whole continuations again, alone. `priors` are per whole tree (`priors`). The
+        values scored are the best of each field by `ranking` (per request; default `fields`), for
+        example the first-pass results through the call's calibration."""
         todo = [
             (k, dp)
             for k, dp in enumerate(plan.scored_decisions)
@@ -146,7 +149,8 @@ class Scorer:
         ]
         if not todo:
             return
-        picks = [[shortlist.best(own[dp.decision.path], dp.keep) for _, dp in todo] for own in fields]
+        ranked = fields if ranking is None else ranking
+        picks = [[shortlist.best(own[dp.decision.path], dp.keep) for _, dp in todo] for own in ranked]
         exact: dict[int, list[list[float]]] = {}
         by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
         for i, handle in enumerate(kept if kept is not None else [None] * len(prompts)):

@@ -7,6 +7,7 @@ tree is much smaller than its whole tree and the CPU policy shortlists it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from typing import Literal
 
@@ -227,3 +228,59 @@ def test_continued_tokens_get_the_log_probs_of_separate_forward_passes(engines):
         for c, got in zip(chosen, runs[kept[i][1]], strict=True):
             want = separate_logprobs(shortlisted.model, prompts[i], queue.whole, c)
             assert torch.allclose(got, want[len(queue.tree.paths[c]) :], atol=1e-4)
+
+
+def test_a_calibrated_answer_is_always_one_of_the_values_scored_exactly(engines):
+    """A bias calibration fitted on labels that all say a value the model ranks low: the shortlist is
+    chosen by the calibrated first pass, so that value is scored exactly and answered; and no value
+    outside a shortlist is put above the values in it, whatever the calibration says."""
+    shortlisted, whole = engines
+    plan = shortlisted.plan(Routing)
+    uncalibrated = shortlisted.classify_batch(TEXTS, Routing)
+    ranks = [sorted(VALUES, key=lambda v, r=r: -r.fields["queue"].log_scores[v]) for r in uncalibrated]
+    target = max(VALUES, key=lambda v: min(rank.index(v) for rank in ranks))
+    assert all(rank.index(target) >= plan.scored_decisions[0].keep for rank in ranks)  # never shortlisted
+    labels = [{"queue": target, "urgent": False} for _ in TEXTS]
+    calibration = shortlisted.calibrate(Routing, TEXTS, labels, method="bias", folds=2)
+    for text, result in zip(
+        TEXTS, shortlisted.classify_batch(TEXTS, Routing, calibration=calibration), strict=True
+    ):
+        field = result.fields["queue"]
+        assert field.calibration == "bias" and field.value == target and target in field.shortlist
+        reference = whole.classify(text, Routing).fields["queue"]
+        assert field.log_scores[target] == pytest.approx(reference.log_scores[target], abs=1e-4)
+
+
+def test_no_estimated_value_is_put_above_the_shortlist():
+    from pcd_engine.calibration import FieldCalibration
+    from pcd_engine.results import FieldResult
+    from pcd_engine.rules import from_scores
+
+    scores = from_scores(torch.tensor([-1.0, -2.0, -3.0, -4.0], dtype=torch.float64))
+    first = FieldResult.scored("x", ["a", "b", "c", "d"], scores, "option+top2")
+    field = dataclasses.replace(first, shortlist=("a", "b"))
+    favours_d = FieldCalibration("bias", ("a", "b", "c", "d"), 1.0, (0.0, 0.0, 0.0, 10.0))
+    calibrated = favours_d.apply(field)
+    assert calibrated.value == "a" and calibrated.probabilities["d"] == pytest.approx(
+        calibrated.probabilities["b"]
+    )
+    assert favours_d.apply(first).value == "d"  # a field scored whole takes the calibration as it is
+
+
+def test_a_many_tool_decision_is_shortlisted_and_exact(engines):
+    """24 tools: the tool field takes the shortlist and its second call like any field, and the
+    decision equals the one scored on whole trees."""
+    shortlisted, whole = engines
+    tools = [
+        {"name": v, "description": v.replace("_", " "), "parameters": {"type": "object", "properties": {}}}
+        for v in VALUES
+    ]
+    asked = [{"role": "user", "content": TEXTS[1]}]
+    shortlisted.tools.call(asked, tools, tool_choice="required")  # the head and the priors
+    got = shortlisted.tools.call(asked, tools, tool_choice="required")
+    want = whole.tools.call(asked, tools, tool_choice="required")
+    assert got.decision.rule == f"{DEFAULT_RULE}+top8" and got.scoring.diagnostics.forward_calls == 2
+    assert got.tool == want.tool and got.tool in got.decision.shortlist
+    for name in got.decision.shortlist:
+        assert got.probabilities[name] > 0
+        assert got.decision.log_scores[name] == pytest.approx(want.decision.log_scores[name], abs=1e-4)
