@@ -15,9 +15,10 @@ first-pass score, priors subtracted for `-cc` rules), and never above the lowest
 
 When it pays is a count (`ShortlistPolicy`). On a CPU time follows the tokens fed and projected, so
 a field is shortlisted where the cut tree and the second pass's estimated tokens are fewer than the
-whole tree's, and the plan uses them where the saving outweighs the second call's fixed cost. On a GPU a forward call costs about the same for a few tokens or a few
-thousand, so the fixed cost of a call is counted as thousands of tokens: a request is given a second
-call only where the whole trees are far larger than that.
+whole tree's, and the plan uses them where the saving outweighs the second call's fixed cost. On a
+GPU a forward call costs about the same for a few tokens or a few thousand, so the fixed cost of a
+call is counted as thousands of tokens: a request is given a second call only where the whole trees
+are far larger than that.
 
     >>> engine = PCDEngine(model, tokenizer, shortlist=ShortlistPolicy(size=16))  # doctest: +SKIP
     >>> engine.plan(Banking).scored_decisions[0].rule_name  # doctest: +SKIP
