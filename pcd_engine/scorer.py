@@ -197,10 +197,13 @@ class Scorer:
                 scores = []
                 for c in pick:
                     cut = len(dp.tree.paths[c])
-                    tail = next(tails) if continuation_of(dp.tree, dp.whole, c) is not None else None
-                    if tail is not None and dp.rule.corrects_prior and priors is not None:
+                    if cut == len(dp.whole.paths[c]):  # cut nowhere: the first pass scored it whole
+                        scores.append(first[c])
+                        continue
+                    tail = next(tails)  # in the order `per_row` was built
+                    if dp.rule.corrects_prior and priors is not None:
                         tail = tail - path_scores(dp.whole, priors[k], c)[cut:]
-                    scores.append(first[c] + (float(tail.double().sum()) if tail is not None else 0.0))
+                    scores.append(first[c] + float(tail.double().sum()))
                 out[i].append(scores)
         return out
 
