@@ -127,6 +127,12 @@ def kept_view(kv: Any, rows: int = 1) -> Any:
     return view
 
 
+def can_freeze(kv: Any) -> bool:
+    """Whether `freeze` serves `kv` without copying it (a kept view, or a plain DynamicCache)."""
+    layers = kv.layers if isinstance(kv, DynamicCache) else []
+    return bool(layers) and (all(isinstance(layer, _KeptLayer) for layer in layers) or _dynamic(kv))
+
+
 def freeze(kv: Any, rows: int) -> Any:
     """A cache for one more call of `rows` rows over everything `kv` holds (a `kept_view` after its call,
     or a DynamicCache the model grew), which keeps nothing of that call."""

@@ -25,7 +25,7 @@ import torch
 
 from pcd_engine import hidden, packing
 from pcd_engine.branches import TokenTree
-from pcd_engine.cache import freeze, frozen_view, kept_view
+from pcd_engine.cache import can_freeze, freeze, frozen_view, kept_view
 from pcd_engine.continuation import Continuation, KeptCall, pack_continuations
 from pcd_engine.hidden import HiddenCapture
 from pcd_engine.projection import LMHeadProjection
@@ -118,7 +118,8 @@ class BranchRunner:
             out.extend(scores)
             if kv is not None and not whole:  # drop this group's tree tokens, keep the prompt
                 kv.crop(-(kv.get_seq_length() - len(prompt_ids)))
-        if kept is not None:
+        if kept is not None:  # a cache the model grew itself may hold layers no later call can read
+            keeping = keeping and can_freeze(kv)
             kept.append((KeptCall(kv, packed, past, tuple(trees)), 0) if keeping else None)
         return out
 
@@ -200,7 +201,8 @@ class BranchRunner:
             stats[i].forward_calls += 1
             stats[i].fed_tokens += len(prompts[i]) - past + tree_tokens
         if kept is not None:  # a kept view kept its part in place; a new cache is the model's own
-            call = KeptCall(grown if kv is None else kv, packed, past, tuple(trees)) if keeping else None
+            held = grown if kv is None else kv
+            call = KeptCall(held, packed, past, tuple(trees)) if keeping and can_freeze(held) else None
             kept.update({i: (call, row) if call is not None else None for row, i in enumerate(group)})
         return dict(zip(group, scores, strict=True))
 

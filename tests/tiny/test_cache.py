@@ -19,7 +19,9 @@ def test_diagnostics_say_whether_the_prefix_cache_served_the_head(tiny_tokenizer
 
 
 def test_cached_entries_share_tensors_and_are_never_changed(tiny_tokenizer, tiny_model):
-    from pcd_engine.cache import freeze, frozen_view, kept_view, private_copy
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from pcd_engine.cache import can_freeze, freeze, frozen_view, kept_view, private_copy
 
     engine = PCDEngine(tiny_model, tiny_tokenizer)
     engine.classify("first", Wide)
@@ -50,3 +52,7 @@ def test_cached_entries_share_tensors_and_are_never_changed(tiny_tokenizer, tiny
     )
     assert later.layers[0].get_seq_length() == kept.layers[0].get_seq_length() == length + 4
     assert kept_view(object()) is None
+    assert can_freeze(kept) and can_freeze(stored) and not can_freeze(object())
+    sliding = private_copy(stored)  # a cache a model grew with sliding-window layers: not served again
+    sliding.layers[0].__class__ = DynamicSlidingWindowLayer
+    assert not can_freeze(sliding)
