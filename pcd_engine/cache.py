@@ -129,17 +129,15 @@ def kept_view(kv: Any, rows: int = 1) -> Any:
 
 def can_freeze(kv: Any) -> bool:
     """Whether `freeze` serves `kv` without copying it (a kept view, or a plain DynamicCache)."""
-    layers = kv.layers if isinstance(kv, DynamicCache) else []
-    return bool(layers) and (all(isinstance(layer, _KeptLayer) for layer in layers) or _dynamic(kv))
+    return _kept(kv) or _dynamic(kv)
 
 
 def freeze(kv: Any, rows: int) -> Any:
     """A cache for one more call of `rows` rows over everything `kv` holds (a `kept_view` after its call,
     or a DynamicCache the model grew), which keeps nothing of that call."""
-    layers = kv.layers if isinstance(kv, DynamicCache) else []
-    if layers and all(isinstance(layer, _KeptLayer) for layer in layers):
+    if _kept(kv):
         view = copy.copy(kv)
-        view.layers = [copy.copy(layer) for layer in layers]
+        view.layers = [copy.copy(layer) for layer in kv.layers]
         for layer in view.layers:
             assert isinstance(layer, _KeptLayer)
             layer.keeping = False
@@ -148,6 +146,12 @@ def freeze(kv: Any, rows: int) -> Any:
     if view is None:
         raise TypeError(f"cannot serve a {type(kv).__name__} to a later call without copying it")
     return view
+
+
+def _kept(kv: Any) -> bool:
+    """Whether `kv` is a `kept_view` (every layer a _KeptLayer)."""
+    layers = kv.layers if isinstance(kv, DynamicCache) else []
+    return bool(layers) and all(isinstance(layer, _KeptLayer) for layer in layers)
 
 
 def _dynamic(kv: Any) -> bool:

@@ -148,7 +148,7 @@ class FP32Rescorer:
         if not low:
             return
         stats = PassStats()
-        kept: list[Kept] = []
+        kept: list[Kept] | None = [] if plan.shortlisted else None  # for the shortlists' second pass
         (logprobs,) = self.scorer.score(plan, [request.prompt.ids], [stats], only=low, kept=kept)
         priors = None
         if any(scored[k].rule.corrects_prior for k in low):
