@@ -82,8 +82,8 @@ def fit_labeled(
         return fit_batch(values, z)
     if method == "temperature":
         return FieldCalibration("temperature", values, optimisers.fit_temperature(z, labels))
-    scale, bias, _ = optimisers.fit_linear(z, labels, optimisers.batch_prior(z))
-    return FieldCalibration("bias", values, 1.0 / scale, tuple(bias.tolist()))
+    fitted = optimisers.fit_linear(z, labels, optimisers.batch_prior(z))
+    return FieldCalibration("bias", values, 1.0 / fitted.scale, tuple(fitted.bias.tolist()))
 
 
 def folds_of(n: int, folds: int, seed: int = 0) -> list[int]:

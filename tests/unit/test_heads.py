@@ -18,7 +18,7 @@ from pcd_engine.fitting import (
     head_ready,
     sharpened,
 )
-from pcd_engine.heads import fit_head, out_of_fold_logits
+from pcd_engine.heads import L2_GRID, fit_config, fit_head, out_of_fold_logits
 from pcd_engine.optimisers import fit_temperature
 
 
@@ -101,9 +101,7 @@ def test_out_of_fold_never_scores_a_row_on_a_head_fitted_with_it():
     labels = torch.randint(0, 2, (40,), generator=generator)
     z = torch.zeros(40, 2, dtype=torch.float64)
     fold = folds_of(40, 5)
-    oof = out_of_fold_logits(("a", "b"), z, x, labels, fold, "fork", 0, 1e-4)
-    from pcd_engine.heads import fit_config
-
+    oof = out_of_fold_logits(z, x, labels, fold, (1e-4,))[1e-4]
     memorised = fit_config(("a", "b"), z, x, labels, "fork", 0, 1e-4).logits(z, x)
     assert (memorised.argmax(dim=1) == labels).double().mean() == 1.0
     assert (oof.argmax(dim=1) == labels).double().mean() < 0.75
@@ -115,10 +113,12 @@ def test_the_head_s_temperature_comes_from_finer_folds_and_methods_are_compared_
     labels[::7] = (labels[::7] + 1) % 3  # some noise, so that the temperature is finite
     values, coarse, fine = ("a", "b", "c"), folds_of(60, 5), folds_of(60, 20)
     fitted = fit_head(values, z, {"fork": x}, labels, coarse, 0, fine)
-    logits = out_of_fold_logits(values, z, x, labels, fine, "fork", 0, fitted.head.l2)
+    l2 = fitted.head.l2
+    every = fit_config(values, z, x, labels, "fork", 0, l2)  # where each fine fold's fit starts
+    logits = out_of_fold_logits(z, x, labels, fine, (l2,), every)[l2]
     assert fitted.head.temperature == pytest.approx(fit_temperature(logits, labels))
     assert torch.allclose(fitted.out_of_fold, torch.softmax(logits / fitted.head.temperature, dim=1))
-    logits = out_of_fold_logits(values, z, x, labels, coarse, "fork", 0, fitted.head.l2)
+    logits = out_of_fold_logits(z, x, labels, coarse, L2_GRID, stop_rising=True)[l2]
     assert torch.allclose(fitted.compared, torch.softmax(logits / fit_temperature(logits, labels), dim=1))
     assert not torch.allclose(fitted.out_of_fold, fitted.compared)
 
@@ -169,3 +169,25 @@ def test_head_ready_needs_two_values_labeled_twice_holding_half_the_labels():
     assert not head_ready([0, 0, 1], 3)
     assert not head_ready([0, 0, 0], 3)
     assert not head_ready([0, 0, 1, 1, 2, 3, 4, 5, 6], 77)
+
+
+def test_a_head_fitted_in_its_rows_span_is_the_head_fitted_on_every_hidden_dimension():
+    from pcd_engine.heads import Basis
+    from pcd_engine.optimisers import batch_prior, fit_linear, standardiser
+
+    generator = torch.Generator().manual_seed(5)
+    labels = torch.arange(40) % 3
+    x = torch.randn(40, 100, generator=generator, dtype=torch.float64)
+    x[:, 0] += labels.double()
+    z = torch.randn(40, 3, generator=generator, dtype=torch.float64)
+    basis = Basis.of(x)
+    assert basis.directions.shape == (100, 39)  # 40 centred rows span 39 dimensions
+    assert torch.allclose(basis.directions.T @ basis.directions, torch.eye(39, dtype=torch.float64))
+    head = fit_config(("a", "b", "c"), z, x, labels, "fork", 0, 0.01)
+    mean, std = standardiser(x)
+    full = fit_linear(z, labels, batch_prior(z), (x - mean) / std, 0.01)
+    assert full.weight is not None and full.weight.shape == (3, 100)
+    direct = z * full.scale + full.bias + ((x - mean) / std) @ full.weight.T
+    probabilities = torch.softmax(head.logits(z, x), dim=1)
+    assert torch.allclose(probabilities, torch.softmax(direct, dim=1), atol=5e-3)  # L-BFGS's tolerance
+    assert not torch.allclose(probabilities, torch.softmax(z * full.scale + full.bias, 1), atol=0.1)
