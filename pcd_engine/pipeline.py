@@ -25,17 +25,18 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from pcd_engine import fitting, precision
+from pcd_engine import fitting, precision, shortlist
 from pcd_engine.calibration import Calibration, ModelIdentity, abstain, apply_all
 from pcd_engine.calibration import model_identity as identity_of
 from pcd_engine.decisions import decide
 from pcd_engine.errors import PCDError
-from pcd_engine.hidden import HiddenCapture
+from pcd_engine.hidden import HiddenCapture, HiddenStates
 from pcd_engine.options import PlanOptions, refuse_unknown
 from pcd_engine.output_types import output_type
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt
 from pcd_engine.request import Request, elapsed_ms, example_turns, rendered
+from pcd_engine.results import FieldResult
 from pcd_engine.rules import Rule, get_rule
 from pcd_engine.runner import Kept
 from pcd_engine.schema import Limits, compile_schema
@@ -131,12 +132,15 @@ class Pipeline:
         requests: Sequence[Request | PCDError],
         keep_hidden: bool = False,
         calibration: Calibration | None = None,
+        variants: Sequence[Calibration | None] = (),
     ) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the
         rule corrects them), several requests per forward call; with `keep_hidden`, the hidden
         states a head reads, from the same calls. A shortlisted field's exact values are those its
         first pass ranks best, through `calibration` where the call has one (phase 4 applies it).
-        Errors in `requests` are skipped."""
+        With `variants`, each request's `variants` are its fields as a call with each of these
+        calibrations would answer them (calibrated: phases 2 and 4), from the same forward calls:
+        the second pass scores every variant's shortlist. Errors in `requests` are skipped."""
         live = rendered(requests)
         if not live:
             return
@@ -157,14 +161,22 @@ class Pipeline:
             request.fields = decide(plan, logprobs, priors)
             if capture is not None:
                 request.hidden = capture[k].states()
-        ranking = None
-        if calibration is not None and plan.shortlisted:
-            ranking = [apply_all(calibration.fields, r.fields, r.hidden) for r in live]
+        first = [dict(r.fields) for r in live]  # what every shortlist is chosen by, calibrated or not
+        rankings = [
+            first
+            if c is None
+            else [apply_all(c.fields, f, r.hidden) for f, r in zip(first, live, strict=True)]
+            for c in (calibration, *variants)
+        ]
         fields = [r.fields for r in live]
-        self.scorer.finish_shortlists(plan, ids, fields, stats, priors, kept, ranking=ranking)
-        for request in live:
+        exact = self.scorer.finish_shortlists(plan, ids, fields, stats, priors, kept, rankings=rankings)
+        for k, request in enumerate(live):
             request.timings["forward"] = (scored - began) * 1e3 / len(live)
             request.timings["score"] = elapsed_ms(scored) / len(live)
+            request.variants = [
+                _variant(plan, first[k], exact[k], ranking[k], c, request.hidden)
+                for c, ranking in zip(variants, rankings[1:], strict=True)
+            ]
 
     def rescore(self, plan: SchemaPlan, requests: Sequence[Request | PCDError]) -> None:
         """Phase 3: the close calls of every request scored again in FP32 (with a reference model)."""
@@ -191,3 +203,21 @@ class Pipeline:
             request.fields = apply_all(maps, request.fields, request.hidden)
             if abstain_below is not None:
                 request.fields = abstain(request.fields, abstain_below)
+
+
+def _variant(
+    plan: SchemaPlan,
+    first: dict[str, FieldResult],
+    exact: dict[str, dict[int, float]],
+    ranking: dict[str, FieldResult],
+    calibration: Calibration | None,
+    hidden: HiddenStates | None,
+) -> dict[str, FieldResult]:
+    """One request's fields as a call with `calibration` answers them (phases 2 and 4), from its
+    first pass and the second pass's exact scores."""
+    fields = dict(first)
+    for dp in plan.scored_decisions:
+        path = dp.decision.path
+        if path in exact:
+            fields[path] = shortlist.completed(first[path], exact[path], ranking[path], dp.keep, dp.rule_name)
+    return apply_all(calibration.fields, fields, hidden) if calibration is not None else fields

@@ -56,6 +56,7 @@ class Request:
     stats: PassStats = field(default_factory=PassStats)
     fields: dict[str, FieldResult] = field(default_factory=dict)
     hidden: HiddenStates | None = None  # kept by the scoring pass when a head will read them
+    variants: list[dict[str, FieldResult]] = field(default_factory=list)  # Pipeline.score(variants=)
     value: BaseModel | None = None
     error: PCDError | None = None
     generated_tokens: int = 0

@@ -132,38 +132,54 @@ class Scorer:
         priors: Sequence[torch.Tensor] | None,
         kept: Sequence[Kept] | None = None,
         among: Collection[int] | None = None,
-        ranking: Sequence[dict[str, FieldResult]] | None = None,
-    ) -> None:
+        rankings: Sequence[Sequence[dict[str, FieldResult]]] = (),
+    ) -> list[dict[str, dict[int, float]]]:
         """The shortlists' second pass (shortlist.py) for requests scored by `score`: per request, its
         shortlisted decisions (those numbered `among` in `plan.scored_decisions`, default all) scored
         exactly on their best values; `fields` (first-pass results, one dict per request) are replaced
         in place. With `kept` (from `score`), requests of one first call continue it in one call and
         feed only the tokens past the cut (continuation.py); a request without one feeds its text and
-        the values' whole continuations again, alone. `priors` are per whole tree (`priors`). The
-        values scored are the best of each field by `ranking` (per request; default `fields`), for
-        example the first-pass results through the call's calibration."""
+        the values' whole continuations again, alone. `priors` are per whole tree (`priors`).
+
+        The values scored are the best of each field by the first of `rankings` (each one dict per
+        request, for example the first-pass results through a calibration; default `fields`). The
+        others' best values are scored too, in the same call: returned per request, per field, the
+        exact score of every value scored, from which `shortlist.completed` answers each ranking as
+        if it had been the only one."""
         todo = [
             (k, dp)
             for k, dp in enumerate(plan.scored_decisions)
             if dp.whole is not None and (among is None or k in among)
         ]
         if not todo:
-            return
-        ranked = fields if ranking is None else ranking
-        picks = [[shortlist.best(own[dp.decision.path], dp.keep) for _, dp in todo] for own in ranked]
-        exact: dict[int, list[list[float]]] = {}
+            return [{} for _ in fields]
+        ranked = list(rankings) or [fields]
+        picks = [
+            [
+                sorted({c for by in ranked for c in shortlist.best(by[i][dp.decision.path], dp.keep)})
+                for _, dp in todo
+            ]
+            for i in range(len(fields))
+        ]
+        scored: dict[int, list[list[float]]] = {}
         by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
         for i, handle in enumerate(kept if kept is not None else [None] * len(prompts)):
             if handle is None:
-                exact[i] = self._whole_again(plan, prompts[i], todo, picks[i], stats[i], priors)
+                scored[i] = self._whole_again(plan, prompts[i], todo, picks[i], stats[i], priors)
             else:
                 by_call.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
         for call, requests in by_call.values():
-            exact.update(self._continued(call, requests, todo, picks, fields, stats, priors))
+            scored.update(self._continued(call, requests, todo, picks, fields, stats, priors))
+        exact: list[dict[str, dict[int, float]]] = []
         for i, own in enumerate(fields):
-            for (_, dp), pick, scores in zip(todo, picks[i], exact[i], strict=True):
+            exact.append({})
+            for (_, dp), pick, scores in zip(todo, picks[i], scored[i], strict=True):
                 path = dp.decision.path
-                own[path] = shortlist.combined(own[path], pick, scores, dp.rule_name)
+                exact[i][path] = dict(zip(pick, scores, strict=True))
+                own[path] = shortlist.completed(
+                    own[path], exact[i][path], ranked[0][i][path], dp.keep, dp.rule_name
+                )
+        return exact
 
     def _continued(
         self,

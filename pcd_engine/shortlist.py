@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,16 @@ def best(first: FieldResult, size: int) -> list[int]:
     `first` was calibrated, else by the rule's scores."""
     scores = list((first.probabilities if first.calibrated else first.log_scores).values())
     return sorted(range(len(scores)), key=lambda c: -scores[c])[:size]
+
+
+def completed(
+    first: FieldResult, exact: Mapping[int, float], ranked: FieldResult, size: int, rule: str
+) -> FieldResult:
+    """A shortlisted field answered from its first pass and the second pass's exact scores (by
+    candidate index): its shortlist is the `size` values `ranked` (the first pass, or the first
+    pass through a calibration) ranks best, each of them among `exact`'s."""
+    picks = best(ranked, size)
+    return combined(first, picks, [exact[c] for c in picks], rule)
 
 
 def combined(first: FieldResult, picks: Sequence[int], exact: Sequence[float], rule: str) -> FieldResult:

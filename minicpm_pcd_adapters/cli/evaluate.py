@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, Setup, fail, input_options, set_up
-from pcd_engine import Calibration, Evaluation, PCDError, evaluate
+from pcd_engine import Calibration, Evaluation, PCDError, evaluate_each
 
 
 def add_parser(sub: Any) -> None:
@@ -92,33 +92,22 @@ def run(setup: Setup, args: argparse.Namespace) -> int:
     fitting = rows[args.examples : args.examples + args.fit]
     scoring = rows[args.examples + args.fit :]
     report = Path(args.report)
+    texts, labels = [t for t, _ in scoring], [y for _, y in scoring]
+    calibrations: dict[str, Calibration | None] = {"uncalibrated": None}
+    if calibration is not None:
+        calibrations["calibrated"] = calibration
     try:
-        with tqdm(total=len(scoring), desc="evaluate", unit="text", file=sys.stderr) as bar:
-            base = evaluate(
-                engine,
-                schema,
-                [t for t, _ in scoring],
-                [y for _, y in scoring],
-                progress=bar.update,
-                **options,
-            )
-        variants = {"uncalibrated": base}
-
-        def calibrated(cal: Calibration) -> Evaluation:  # a head reads hidden states: score again
-            if not cal.needs_hidden:
-                return base.recalibrated(cal)
-            texts, labels = [t for t, _ in scoring], [y for _, y in scoring]
-            return evaluate(engine, schema, texts, labels, calibration=cal, **options)
-
-        if calibration is not None:
-            variants["calibrated"] = calibrated(calibration)
-        if fitting:
+        if fitting:  # fitted first, so that the scored lines are scored once for every variant
             fitted = engine.calibrate(
                 schema, [t for t, _ in fitting], [y for _, y in fitting], method=args.method, **options
             )
             report.mkdir(parents=True, exist_ok=True)
             fitted.save(report / "calibration.json")
-            variants[f"calibrated on {len(fitting)}"] = calibrated(fitted)
+            calibrations[f"calibrated on {len(fitting)}"] = fitted
+        with tqdm(total=len(scoring), desc="evaluate", unit="text", file=sys.stderr) as bar:
+            variants = evaluate_each(
+                engine, schema, texts, labels, calibrations, progress=bar.update, **options
+            )
     except PCDError as error:
         return fail(error)
     out = {name: e.to_json() for name, e in variants.items()}
@@ -138,7 +127,6 @@ def run(setup: Setup, args: argparse.Namespace) -> int:
         f"{len(fitting)} fitted on, {len(scoring)} scored (from record {len(shots) + len(fitting) + 1})",
         "calibration": args.calibration or "none given",
     }
-    texts = [t for t, _ in scoring]
     write_report(report / "report.html", variants, texts, about, first=len(shots) + len(fitting) + 1)
     print(f"pcd: report.html, report.json and plots -> {report}", file=sys.stderr)
     return 0

@@ -135,7 +135,7 @@ def test_confusion_and_most_confident_mistakes_come_from_the_last_variant(page):
     for record, _, answered, true, text in mistakes[1:]:
         index = int(record) - 11  # the first scored text is record 11
         assert text == " ".join(TEXTS[index].split()) and answered != true == labels[index]["topic"]
-        assert calibrated.results[index].fields["topic"].value == answered
+        assert calibrated.results[index]["topic"].value == answered
     errors = parsed.tables["errors"][0]
     assert errors[1][:2] == ["17", "InputError"]  # record 11 + 6
 

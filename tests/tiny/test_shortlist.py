@@ -284,3 +284,43 @@ def test_a_many_tool_decision_is_shortlisted_and_exact(engines):
     for name in got.decision.shortlist:
         assert got.probabilities[name] > 0
         assert got.decision.log_scores[name] == pytest.approx(want.decision.log_scores[name], abs=1e-4)
+
+
+def test_one_scoring_pass_answers_each_calibration_as_a_call_with_it_would(engines):
+    """`score_variants` (what `pcd evaluate` compares calibrations with): uncalibrated, a bias
+    calibration whose shortlist holds a value the model never ranks in its top 8, and a head, from
+    the forward calls of one calibrated pass; each equal to `classify_batch` with that calibration."""
+    shortlisted, _ = engines
+    plan = shortlisted.plan(Routing)
+    uncalibrated = shortlisted.classify_batch(TEXTS, Routing)
+    ranks = [sorted(VALUES, key=lambda v, r=r: -r.fields["queue"].log_scores[v]) for r in uncalibrated]
+    target = max(VALUES, key=lambda v: min(rank.index(v) for rank in ranks))
+    labels = [{"queue": target, "urgent": False} for _ in TEXTS]
+    bias = shortlisted.calibrate(Routing, TEXTS, labels, method="bias", folds=2)
+    mixed = [{"queue": VALUES[k % 2], "urgent": k % 2 == 0} for k in range(len(TEXTS))]
+    head = shortlisted.calibrate(Routing, TEXTS, mixed, method="head", folds=2)
+    assert head.needs_hidden
+    calibrations = [None, bias, head]
+    calls = []
+    hook = shortlisted.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        variants = shortlisted.score_variants(plan, TEXTS, calibrations)
+        one_pass = len(calls)
+        shortlisted.classify_batch(TEXTS, Routing, calibration=head)
+    finally:
+        hook.remove()
+    assert one_pass == len(calls) - one_pass  # the forward calls of one call with the head
+    for k, calibration in enumerate(calibrations):
+        direct = shortlisted.classify_batch(TEXTS, Routing, calibration=calibration)
+        for per_text, result in zip(variants, direct, strict=True):
+            for path, field in result.fields.items():
+                got = per_text[k][path]
+                assert (got.value, got.shortlist, got.calibration) == (
+                    field.value,
+                    field.shortlist,
+                    field.calibration,
+                )
+                assert list(got.probabilities.values()) == pytest.approx(
+                    list(field.probabilities.values()), abs=1e-5
+                )
+    assert any(v[1]["queue"].value == target != v[0]["queue"].value for v in variants)
