@@ -176,3 +176,14 @@ def test_pcd_suggest_writes_a_file_that_pcd_calibrate_reads(tiny_folder, tmp_pat
     )  # fmt: skip
     assert fitted.returncode == 0, fitted.stderr
     assert Calibration.load(calibration).report["fields"]["topic"]["n"] == 6
+    assert sum(r["pcd"]["sampled"] for r in rows) == 2  # the random share: round(0.3 * 6)
+    after = tmp_path / "next.jsonl"  # a second round: under the calibration, away from the labeled
+    again = subprocess.run(
+        [*run, "suggest", "--schema", schema, "--input", str(source), "--count", "3", "--output", str(after),
+         "--model", tiny_folder, "--device", "cpu", "--calibration", str(calibration),
+         "--labeled", str(output)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 1, again.stderr
+    picked = [json.loads(line) for line in after.read_text().splitlines()]
+    assert len(picked) == 3 and {p["text"] for p in picked} <= set(TEXTS) - {r["text"] for r in rows}
