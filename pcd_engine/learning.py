@@ -23,7 +23,7 @@ from pcd_engine.hidden import HiddenStates
 from pcd_engine.options import PlanOptions
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
-from pcd_engine.request import rendered
+from pcd_engine.request import Request, rendered
 from pcd_engine.results import FieldResult
 from pcd_engine.suggestions import SHARE, LabelSuggestions, Suggestion, check_suggest, pick
 
@@ -92,17 +92,7 @@ class LearningMixin:
         if calibration is not None:
             calibration.check(plan, self.pipeline.model_identity)
         keep = hidden or (calibration is not None and calibration.needs_hidden)
-        items = self.pipeline.render(plan, texts, return_exceptions=True)
-        if progress is not None:  # inputs refused before any model work
-            progress(sum(isinstance(item, PCDError) for item in items))
-        requests = rendered(items)
-        for start in range(0, len(requests), chunk):
-            part = requests[start : start + chunk]
-            self.pipeline.score(plan, part, keep, calibration)
-            self.pipeline.rescore(plan, part)
-            self.pipeline.apply_calibration(plan, part, calibration)
-            if progress is not None:
-                progress(len(part))
+        items = self._phases(plan, texts, keep, calibration, (), chunk, progress)
         return [item if isinstance(item, PCDError) else (item.fields, item.hidden) for item in items]
 
     def score_variants(
@@ -133,16 +123,32 @@ class LearningMixin:
                 for i, first in enumerate(runs[0])
             ]
         keep = any(c is not None and c.needs_hidden for c in calibrations)
+        items = self._phases(plan, texts, keep, None, calibrations, chunk, progress)
+        return [item if isinstance(item, PCDError) else item.variants for item in items]
+
+    def _phases(
+        self,
+        plan: SchemaPlan,
+        texts: Sequence[Any],
+        keep_hidden: bool,
+        calibration: Calibration | None,
+        variants: Sequence[Calibration | None],
+        chunk: int,
+        progress: Callable[[int], None] | None,
+    ) -> list[Request | PCDError]:
+        """Phases 1 to 4 over the texts, `chunk` at a time (`progress(n)` after each)."""
         items = self.pipeline.render(plan, texts, return_exceptions=True)
         if progress is not None:  # inputs refused before any model work
             progress(sum(isinstance(item, PCDError) for item in items))
         requests = rendered(items)
         for start in range(0, len(requests), chunk):
             part = requests[start : start + chunk]
-            self.pipeline.score(plan, part, keep, variants=calibrations)
+            self.pipeline.score(plan, part, keep_hidden, calibration, variants)
+            self.pipeline.rescore(plan, part)
+            self.pipeline.apply_calibration(plan, part, calibration)
             if progress is not None:
                 progress(len(part))
-        return [item if isinstance(item, PCDError) else item.variants for item in items]
+        return items
 
     def suggest_labels(
         self,
