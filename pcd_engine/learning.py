@@ -179,12 +179,16 @@ class LearningMixin:
         texts, options = with_system(texts, options)
         plan = self.pipeline.plan(schema, **options)
         done = {_key(t) for t in labeled}
-        scored = self.score_fields(plan, texts, hidden=True, calibration=calibration, progress=progress)
+        scored: list[tuple[dict[str, FieldResult], torch.Tensor | None] | PCDError] = []
+        for start in range(0, len(texts), SUGGEST_CHUNK):  # only the feature is kept of the states
+            part = texts[start : start + SUGGEST_CHUNK]
+            found = self.score_fields(plan, part, hidden=True, calibration=calibration, progress=progress)
+            scored += [s if isinstance(s, PCDError) else (s[0], _features(s[1])) for s in found]
         per_text = [
             None if isinstance(s, PCDError) or _key(t) in done else s[0]
             for s, t in zip(scored, texts, strict=True)
         ]
-        features = [None if isinstance(s, PCDError) else _features(s[1]) for s in scored]
+        features = [None if isinstance(s, PCDError) else s[1] for s in scored]
         seen = self.score_fields(plan, list(labeled), hidden=True) if labeled else []
         taken = [f for s in seen if not isinstance(s, PCDError) and (f := _features(s[1])) is not None]
         picked = []
@@ -195,6 +199,9 @@ class LearningMixin:
             picked.append(Suggestion(texts[p.index], label, p.index, p.field, p.uncertainty, p.sampled))
         errors = {i: s for i, s in enumerate(scored) if isinstance(s, PCDError)}
         return LabelSuggestions(picked, errors)
+
+
+SUGGEST_CHUNK = 1024  # texts scored at a time by `suggest_labels`, keeping one vector of their states
 
 
 def _features(hidden: HiddenStates | None) -> torch.Tensor | None:

@@ -164,7 +164,7 @@ class Pipeline:
         first = [dict(r.fields) for r in live]  # what every shortlist is chosen by, calibrated or not
         rankings = [
             first
-            if c is None
+            if c is None or not plan.shortlisted
             else [apply_all(c.fields, f, r.hidden) for f, r in zip(first, live, strict=True)]
             for c in (calibration, *variants)
         ]
