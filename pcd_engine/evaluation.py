@@ -19,6 +19,7 @@ from pcd_engine import metrics
 from pcd_engine.calibration import Calibration
 from pcd_engine.errors import CalibrationError, PCDError
 from pcd_engine.fitting import decision_labels
+from pcd_engine.learning import with_system
 from pcd_engine.results import json_key
 
 
@@ -140,7 +141,9 @@ def evaluate_each(
     """One Evaluation per named calibration (None: uncalibrated) of the same texts, each text scored
     once (`engine.score_variants`): every calibration's answers are those a call with it would
     give. Only the scored fields are measured, so no open field is generated. `options` are plan
-    options (`instructions`, `rule`, `examples`). Label errors are raised before any model work."""
+    options (`instructions`, `rule`, `examples`); conversations' shared system text goes before the
+    instructions, as in `calibrate`. Label errors are raised before any model work."""
+    texts, options = with_system(texts, options)  # type: ignore[arg-type,assignment]
     plan, truth = _checked(engine, schema, texts, labels, options)
     names = list(calibrations)
     scored = engine.score_variants(plan, texts, [calibrations[n] for n in names], progress=progress)

@@ -28,3 +28,21 @@ def test_evaluate_counts_every_text_and_recalibrating_equals_classifying_with_th
         assert probs == pytest.approx(list(result.fields["topic"].probabilities.values()), abs=1e-6)
     right = [r.fields["topic"].value == y["topic"] for r, y in zip(direct, LABELS, strict=True)]
     assert again.fields["topic"].report()["accuracy"] == pytest.approx(sum(right) / 6)
+
+
+def test_evaluate_each_answers_each_calibration_as_evaluate_with_it_does(engine):
+    from pcd_engine import evaluate, evaluate_each
+
+    calibration = engine.calibrate(Ticket, TEXTS, LABELS, method="bias", folds=3)
+    each = evaluate_each(
+        engine, Ticket, [*TEXTS, 42], [*LABELS, LABELS[0]], {"none": None, "bias": calibration}
+    )
+    assert set(each) == {"none", "bias"} and each["bias"].errors[0]["index"] == 6
+    for name, options in (("none", {}), ("bias", {"calibration": calibration})):
+        direct = evaluate(engine, Ticket, TEXTS, LABELS, **options)
+        for path, f in direct.fields.items():
+            got = each[name].fields[path]
+            assert got.labels == f.labels
+            for mine, theirs in zip(got.probabilities, f.probabilities, strict=True):
+                assert mine == pytest.approx(theirs, abs=1e-6)
+    assert each["bias"].summary != each["none"].summary
