@@ -157,33 +157,30 @@ class Basis:
         directions = xs.T @ u[:, kept] / eigenvalues[kept].sqrt()
         return cls(mean, std, directions)
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x.double() - self.mean) / self.std) @ self.directions
+    def standardised(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.double() - self.mean) / self.std
 
-    def start(self, head: FieldHead) -> Linear:
-        """A warm start in this basis from a head fitted on other (for example all) rows."""
-        bias = torch.tensor(head.bias, dtype=torch.float64)
-        return Linear(math.log(head.scale), bias, head.weight @ self.directions)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.standardised(x) @ self.directions
+
+    def start(self, fitted: Linear) -> Linear:
+        """A warm start in this basis from a fit on other (for example all) rows, its weights over
+        the standardised features."""
+        assert fitted.weight is not None
+        return dataclasses.replace(fitted, weight=fitted.weight @ self.directions)
 
     def fit(
         self, z: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, l2: float, start: Linear | None = None
     ) -> Linear:
-        """`fit_linear` on rows already `project`ed, weights in this basis. Each direction is
-        rescaled to about unit curvature (its variance times a softmax's, plus the penalty's) and
-        its penalty with it: the same optimum, found in a third of the steps (the first directions
-        of hidden states hold most of their variance, so unscaled the problem is ill-conditioned)."""
-        scaling = (0.25 * x.pow(2).mean(dim=0) + 2 * l2).rsqrt()
-        if start is not None and start.weight is not None:
-            start = dataclasses.replace(start, weight=start.weight / scaling)
-        fitted = fit_linear(z, labels, batch_prior(z), x * scaling, l2 * scaling**2, start)
+        """`fit_linear` on rows already `project`ed; its weights back over the standardised features."""
+        fitted = fit_linear(z, labels, batch_prior(z), x, l2, self.start(start) if start else None)
         assert fitted.weight is not None
-        return dataclasses.replace(fitted, weight=fitted.weight * scaling)
+        return dataclasses.replace(fitted, weight=fitted.weight @ self.directions.T)
 
     def head(self, values: tuple[str, ...], block: str, tree: int, fitted: Linear, l2: float) -> FieldHead:
         assert fitted.weight is not None
-        weight = fitted.weight @ self.directions.T
         bias = tuple(fitted.bias.tolist())
-        return FieldHead(values, block, tree, fitted.scale, bias, weight, self.mean, self.std, 1.0, l2)
+        return FieldHead(values, block, tree, fitted.scale, bias, fitted.weight, self.mean, self.std, 1.0, l2)
 
 
 def fit_config(
@@ -206,29 +203,28 @@ def out_of_fold_logits(
     labels: torch.Tensor,
     fold: Sequence[int],
     grid: Sequence[float],
-    start: FieldHead | None = None,
+    start: Linear | None = None,
     stop_rising: bool = False,
 ) -> dict[float, torch.Tensor]:
     """Per L2 strength of `grid`, each row's logits from a head fitted on the other folds only. The
     strengths go from the strongest penalty down, each fold's fit starting where its last one
-    stopped (the first from `start`, a head fitted on every row, if given). With `stop_rising`,
+    stopped (the first from `start`, a fit on every row, if given). With `stop_rising`,
     the path ends at the first strength whose cross-validated log-loss is above the one before it."""
     tags = torch.tensor(fold)
     parts = [(tags != k, tags == k, Basis.of(x[tags != k])) for k in sorted(set(fold))]
-    rows = [(basis.project(x[train]), basis.project(x[test])) for train, test, basis in parts]
+    rows = [basis.project(x[train]) for train, _, basis in parts]
     whole = Basis.of(x) if start is None else None
     x_whole = whole.project(x) if whole is not None else None
-    every: Linear | None = None
     out: dict[float, torch.Tensor] = {}
     last = math.inf
     for l2 in sorted(grid, reverse=True):
         if whole is not None and x_whole is not None:  # the fit on every row: each fold starts there
-            every = whole.fit(z, x_whole, labels, l2, every)
-            start = whole.head(("",) * z.shape[1], "", 0, every, l2)
+            start = whole.fit(z, x_whole, labels, l2, start)
         logits = torch.empty_like(z, dtype=torch.float64)
-        for (train, test, basis), (x_train, x_test) in zip(parts, rows, strict=True):
-            fitted = basis.fit(z[train], x_train, labels[train], l2, basis.start(start) if start else None)
+        for (train, test, basis), x_train in zip(parts, rows, strict=True):
+            fitted = basis.fit(z[train], x_train, labels[train], l2, start)
             assert fitted.weight is not None
+            x_test = basis.standardised(x[test])
             logits[test] = z[test].double() * fitted.scale + fitted.bias + x_test @ fitted.weight.T
         out[l2] = logits
         loss = float(torch.nn.functional.cross_entropy(logits, labels))
@@ -272,9 +268,11 @@ def fit_head(
     _, block, l2, logits = best
     temperature = fit_temperature(logits, labels)
     compared = torch.softmax(logits / temperature, dim=1)
-    head = fit_config(values, z, features[block], labels, block, tree, l2)
+    basis = Basis.of(features[block])
+    every = basis.fit(z, basis.project(features[block]), labels, l2)
+    head = basis.head(values, block, tree, every, l2)
     if temperature_fold is not None and list(temperature_fold) != list(fold):
-        logits = out_of_fold_logits(z, features[block], labels, temperature_fold, (l2,), head)[l2]
+        logits = out_of_fold_logits(z, features[block], labels, temperature_fold, (l2,), every)[l2]
         temperature = fit_temperature(logits, labels)
     head = dataclasses.replace(head, temperature=temperature)
     return HeadFit(head, torch.softmax(logits / temperature, dim=1), tried, compared)

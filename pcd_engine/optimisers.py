@@ -50,15 +50,14 @@ def fit_linear(
     labels: torch.Tensor,
     prior: torch.Tensor,
     x: torch.Tensor | None = None,
-    l2: float | torch.Tensor = 0.0,
+    l2: float = 0.0,
     start: Linear | None = None,
 ) -> Linear:
     """The map minimising the mean cross-entropy of `scale * z + bias (+ W x)` plus the bias pull
-    toward `prior` (`value_penalty`) and `sum(l2 * W**2)` (`l2` one strength, or one per feature
-    column); x already standardised. `start`: a warm start (a fit of the same rows with another
-    `l2`, or of nearly the same rows). L-BFGS on the gradient written out (the softmax
-    cross-entropy's), without autograd: these fits are small and many (a head's cross-validation
-    runs hundreds), so the per-step overhead is what they cost."""
+    toward `prior` (`value_penalty`) and `l2 * sum(W**2)`; x already standardised. `start`: a warm
+    start (a fit of the same rows with another `l2`, or of nearly the same rows). L-BFGS on the
+    gradient written out (the softmax cross-entropy's), without autograd: these fits are small and
+    many (a head's cross-validation runs hundreds), so the per-step overhead is what they cost."""
     n, k = z.shape
     z, prior = z.double(), prior.double()
     onehot = torch.nn.functional.one_hot(labels, k).double()
@@ -97,7 +96,7 @@ def fit_linear(
         log_scale.grad.copy_((residual * z).sum() * scale)
         bias.grad.copy_(residual.sum(dim=0) + 2 * pull * (bias - prior) / n)
         if weight is not None and x is not None:
-            out = out + (l2 * weight**2).sum()
+            out = out + l2 * (weight**2).sum()
             assert weight.grad is not None
             weight.grad.copy_(residual.T @ x + 2 * l2 * weight)
         return out

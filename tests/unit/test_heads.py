@@ -18,7 +18,7 @@ from pcd_engine.fitting import (
     head_ready,
     sharpened,
 )
-from pcd_engine.heads import L2_GRID, fit_config, fit_head, out_of_fold_logits
+from pcd_engine.heads import L2_GRID, Basis, fit_config, fit_head, out_of_fold_logits
 from pcd_engine.optimisers import fit_temperature
 
 
@@ -114,7 +114,8 @@ def test_the_head_s_temperature_comes_from_finer_folds_and_methods_are_compared_
     values, coarse, fine = ("a", "b", "c"), folds_of(60, 5), folds_of(60, 20)
     fitted = fit_head(values, z, {"fork": x}, labels, coarse, 0, fine)
     l2 = fitted.head.l2
-    every = fit_config(values, z, x, labels, "fork", 0, l2)  # where each fine fold's fit starts
+    basis = Basis.of(x)  # each fine fold's fit starts from the fit on every row
+    every = basis.fit(z, basis.project(x), labels, l2)
     logits = out_of_fold_logits(z, x, labels, fine, (l2,), every)[l2]
     assert fitted.head.temperature == pytest.approx(fit_temperature(logits, labels))
     assert torch.allclose(fitted.out_of_fold, torch.softmax(logits / fitted.head.temperature, dim=1))
@@ -172,7 +173,6 @@ def test_head_ready_needs_two_values_labeled_twice_holding_half_the_labels():
 
 
 def test_a_head_fitted_in_its_rows_span_is_the_head_fitted_on_every_hidden_dimension():
-    from pcd_engine.heads import Basis
     from pcd_engine.optimisers import batch_prior, fit_linear, standardiser
 
     generator = torch.Generator().manual_seed(5)
