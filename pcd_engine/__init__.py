@@ -48,6 +48,7 @@ from pcd_engine.schema import CompiledSchema, Limits, compile_schema
 from pcd_engine.shortlist import ShortlistPolicy
 from pcd_engine.suggestions import SHARE as SUGGESTION_SHARE
 from pcd_engine.suggestions import LabelSuggestions, Suggestion
+from pcd_engine.template_switches import read_switches
 from pcd_engine.tool_calls import ToolCaller, ToolCallResult
 from pcd_engine.tools import TOOL_CHOICES, Tool, ToolChoice, as_tools
 
@@ -126,6 +127,7 @@ __all__ = [
     "new_call_id",
     "output_type",
     "read_manifest",
+    "read_switches",
     "require_closed",
     "verify_manifest",
     "write_manifest",

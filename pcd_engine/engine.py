@@ -18,6 +18,7 @@ tool_calls.py). The per-call options are declared once, in options.py.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
@@ -28,6 +29,7 @@ from pydantic import BaseModel
 from typing_extensions import Unpack
 
 from pcd_engine import comparison, precision
+from pcd_engine.bounded_cache import BoundedCache
 from pcd_engine.cache import PrefixCache
 from pcd_engine.calibration import ModelIdentity
 from pcd_engine.chat import ChatMixin, stop_ids
@@ -49,10 +51,12 @@ from pcd_engine.runner import BranchRunner
 from pcd_engine.schema import Limits
 from pcd_engine.scorer import Scorer
 from pcd_engine.shortlist import ShortlistPolicy
+from pcd_engine.template_switches import read_switches
 from pcd_engine.tool_calls import ToolCaller
 
 T = TypeVar("T", bound=BaseModel)
 DEFAULT_RULE = "option-boolcut-cc"  # chosen on the development sets; see docs/benchmarks.md (issue 35)
+MAX_RENDERINGS = 8  # siblings kept by `rendered_with` (each holds its own plans)
 
 
 class PCDEngine(LearningMixin, ChatMixin):
@@ -117,6 +121,17 @@ class PCDEngine(LearningMixin, ChatMixin):
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # the options `rendered_with` builds siblings with
+        self._options: dict[str, Any] = dict(
+            rule=rule, limits=limits, instructions=instructions, allow_generation=allow_generation,
+            max_tokens_per_forward=max_tokens_per_forward, sampling=sampling,
+            generation_batch_size=generation_batch_size,
+            stop_token_ids=stop_token_ids, rescore_margin=rescore_margin, abstain_below=abstain_below,
+            branch_wording=branch_wording, allow_empty_text=allow_empty_text, text_framing=text_framing,
+            shortlist=shortlist,
+        )  # fmt: skip
+        self._renderings: BoundedCache[str, PCDEngine] = BoundedCache(MAX_RENDERINGS)
+        self._root = self
         self.rule = get_rule(rule)
         self.limits = limits or Limits()
         self.abstain_below = RequestOptions(abstain_below=abstain_below).abstain_below  # checks it
@@ -179,6 +194,35 @@ class PCDEngine(LearningMixin, ChatMixin):
         if reference is not None:
             options["reference_model"] = reference
         return cls(model, tokenizer, **options)
+
+    def rendered_with(self, chat_template_kwargs: Mapping[str, Any] | None) -> PCDEngine:
+        """This engine with prompts rendered under other template switches, over its own:
+        `engine.rendered_with({"enable_thinking": True})`. Switches the template does not read are
+        ignored and bad ones raise InputError (`read_switches`); when none differs, the engine itself.
+        Otherwise a sibling with the same model, tokenizer, prefix cache, reference weights and
+        options, and its own prompt and plans (they hold rendered heads); the last `MAX_RENDERINGS`
+        are kept. What `pcd serve` answers a request's `chat_template_kwargs` with."""
+        prompt = self.prompt
+        asked = read_switches(prompt.template, chat_template_kwargs or {}, prompt.control_strings)
+        switches = {**prompt.template_kwargs, **asked}
+        root = self._root
+        if switches == root.prompt.template_kwargs:
+            return root
+        if switches == prompt.template_kwargs:
+            return self
+
+        def sibling() -> PCDEngine:
+            reference = root.rescorer.runner.model if root.rescorer is not None else None
+            cache = root.prefix_cache if root.prefix_cache is not None else False
+            engine = PCDEngine(
+                root.model, root.tokenizer, **root._options, chat_template_kwargs=switches,
+                prefix_cache=cache, reference_model=reference, self_check=False,
+            )  # fmt: skip
+            engine.precision_check, engine._root = root.precision_check, root
+            return engine
+
+        key = json.dumps(switches, sort_keys=True)
+        return root._renderings.get_or_build(key, sibling)
 
     def plan(
         self, schema: Any, *, layout: str = "chat", shortlisted: bool = True, **options: Unpack[PlanOptions]
@@ -250,6 +294,7 @@ class PCDEngine(LearningMixin, ChatMixin):
             "priors": (self.scorer.priors_cache.size, self.scorer.priors_cache.max_entries),
             "json_schema_models": (DICT_MODELS.size, DICT_MODELS.max_entries),
             "grammar_bytes": (self.generator.grammar_cache_size, self.generator.grammar_cache_bytes),
+            "renderings": (self._renderings.size, self._renderings.max_entries),
         }
         if self.prefix_cache is not None:
             sizes["prefix_bytes"] = (self.prefix_cache.nbytes, self.prefix_cache.max_bytes)
@@ -257,7 +302,8 @@ class PCDEngine(LearningMixin, ChatMixin):
 
     def clear_caches(self) -> None:
         """Empty every cache `cache_sizes` lists (plans are built again on their next use)."""
-        for cache in (self.pipeline.plans.plans, self.tools.plans, self.scorer.priors_cache, DICT_MODELS):
+        plans = self.pipeline.plans.plans
+        for cache in (plans, self.tools.plans, self.scorer.priors_cache, DICT_MODELS, self._renderings):
             cache.clear()
         self.generator.clear_grammars()
         if self.prefix_cache is not None:

@@ -145,6 +145,11 @@ class ChatPrompt:
         self._turn_end = tuple(self._encode_control(self._pieces[2]))
         self.tail: tuple[int, ...] = (*self.encode_text(self.frame.close), *self._turn_end)
 
+    @property
+    def template(self) -> str:
+        """The tokenizer's chat template ("" when it has none)."""
+        return str(getattr(self.tokenizer, "chat_template", None) or "")
+
     def encode_text(self, text: str) -> list[int]:
         """Encode untrusted text as data: no special/control token can come out of it."""
         ids = self._encode(text)

@@ -21,7 +21,12 @@ import ray
 from ray.util import ActorPool
 
 from minicpm_pcd_adapters.files import count_lines
-from minicpm_pcd_adapters.server.batch_files import BatchSummary, answered_records, run_batch_file
+from minicpm_pcd_adapters.server.batch_files import (
+    BatchSummary,
+    answered_records,
+    repeated_ids,
+    run_batch_file,
+)
 from minicpm_pcd_adapters.server.settings import ServerSettings
 
 RESTARTS = 3  # an actor that dies is restarted, and its part retried, this many times
@@ -48,7 +53,9 @@ class BatchWorker:
         self.engine = load_engine(model, **dict(engine_options))
         self.settings = settings
 
-    def answer(self, source: str, folder: str, part: Part, concurrency: int) -> BatchSummary:
+    def answer(
+        self, source: str, folder: str, part: Part, concurrency: int, repeated: dict[int, int]
+    ) -> BatchSummary:
         from minicpm_pcd_adapters.server.app import create_app
 
         app = create_app(self.engine, self.settings)
@@ -61,6 +68,7 @@ class BatchWorker:
             concurrency=concurrency,
             resume=True,
             lines=(part.start, part.end),
+            repeated=repeated,
         )
 
 
@@ -96,8 +104,10 @@ def run_batch_on_ray(
     pool = ActorPool(workers)
     summary = BatchSummary(skipped=skipped)
 
+    repeated = ray.put(repeated_ids(source))  # read once, for every part
+
     def submit(worker: Any, part: Part) -> Any:
-        return worker.answer.remote(str(source), str(folder), part, concurrency)
+        return worker.answer.remote(str(source), str(folder), part, concurrency, repeated)
 
     for done in pool.map_unordered(submit, parts):
         summary.written += done.written

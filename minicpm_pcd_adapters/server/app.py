@@ -78,11 +78,12 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     served = ServedSchema.of(load_schema(settings.schema), engine) if settings.schema else None
     served_calibration = calibrations.match(engine.plan(served.schema)) if served else None
     classification = ClassificationEndpoint(
-        served, settings, completions.limits, batcher, metrics, served_calibration, calibrations
-    )
+        served, settings, completions.limits, batcher, metrics, served_calibration, calibrations,
+        completions.template,
+    )  # fmt: skip
     tokens = TokenEndpoints(engine, settings.model_name, completions.limits)
     created = int(time.time())
-    reader = OllamaReader(settings, completions.limits)
+    reader = OllamaReader(settings, completions.limits, completions.template)
     ollama = OllamaEndpoints(completions, reader, engine, metrics, created)
 
     @asynccontextmanager

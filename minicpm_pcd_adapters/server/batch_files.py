@@ -12,8 +12,9 @@ send. Every input line gets one output line, in input order, in OpenAI's batch o
      "body": {...}}, "error": null}
 
 A request the server refuses keeps its status and error body in `response` (as OpenAI's batches do); a
-line that is not a request at all (not JSON, no `body`, another `url` or method) gets `response: null`
-and an `error` naming the line, and the run goes on. Lines are answered in windows of `concurrency`;
+line that is not a request at all (not JSON, no `body`, another `url` or method, or a `custom_id` an
+earlier line holds, which OpenAI refuses) gets `response: null` and an `error` naming the line, and the
+run goes on, and no `custom_id` names two answers. Lines are answered in windows of `concurrency`;
 each window's records are written and flushed in input order as it completes, so `resume` skips the
 lines already answered (counting whole records; a torn last one is cut off) and an interruption loses
 at most the window in flight.
@@ -46,6 +47,24 @@ class BatchSummary:
     stopped: bool = False  # a stop was requested before the input ended
 
 
+def repeated_ids(source: Path) -> dict[int, int]:
+    """Lines (numbered from 1) whose `custom_id` an earlier line holds, each with that first line:
+    read once over the whole file, so that every part of a `--ray` run agrees."""
+    first: dict[str, int] = {}
+    repeated = {}
+    with source.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                custom_id = json.loads(line).get("custom_id")
+            except (ValueError, AttributeError):
+                continue  # not a request: its own error record says so
+            if isinstance(custom_id, str) and custom_id:
+                repeated_line = first.setdefault(custom_id, number)
+                if repeated_line != number:
+                    repeated[number] = repeated_line
+    return repeated
+
+
 def answered_records(output: Path) -> int:
     """How many whole batch records (objects with a `custom_id`) `output` holds from its start; a
     torn or foreign line and everything after it is cut off the file (`files.whole_records`)."""
@@ -63,12 +82,16 @@ def run_batch_file(
     stop: threading.Event | None = None,
     progress: Callable[[int], None] | None = None,
     lines: tuple[int, int] | None = None,
+    repeated: dict[int, int] | None = None,
 ) -> BatchSummary:
     """Answer every line of `source` with `app` (the server's ASGI app) into `output`; with `lines`
     (start, end), only the lines from index `start` (0-based) up to `end`, excluded: one part of the
-    file (`pcd run-batch --ray`)."""
+    file (`pcd run-batch --ray`). `repeated`: `repeated_ids(source)`, when the caller has it."""
     part = lines or (0, None)
-    return asyncio.run(_run(app, source, output, headers or {}, concurrency, resume, stop, progress, part))
+    repeats = repeated if repeated is not None else repeated_ids(source)
+    return asyncio.run(
+        _run(app, source, output, headers or {}, concurrency, resume, stop, progress, part, repeats)
+    )
 
 
 async def _run(
@@ -81,6 +104,7 @@ async def _run(
     stop: threading.Event | None,
     progress: Callable[[int], None] | None,
     part: tuple[int, int | None],
+    repeated: dict[int, int],
 ) -> BatchSummary:
     summary = BatchSummary(skipped=answered_records(output) if resume else 0)
     if progress is not None and summary.skipped:
@@ -102,7 +126,9 @@ async def _run(
                 if stop is not None and stop.is_set():
                     summary.stopped = True
                     break
-                records = await asyncio.gather(*(_answer(client, number, line) for number, line in window))
+                records = await asyncio.gather(
+                    *(_answer(client, number, line, repeated.get(number)) for number, line in window)
+                )
                 for record in records:
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
                     summary.written += 1
@@ -114,8 +140,9 @@ async def _run(
     return summary
 
 
-async def _answer(client: httpx.AsyncClient, number: int, line: str) -> dict[str, Any]:
-    """One line's record: the server's answer to its request, or an error naming the line."""
+async def _answer(client: httpx.AsyncClient, number: int, line: str, first: int | None) -> dict[str, Any]:
+    """One line's record: the server's answer to its request, or an error naming the line (`first`:
+    the earlier line that holds its `custom_id`)."""
     custom_id = None
     try:
         request = json.loads(line)
@@ -133,8 +160,11 @@ async def _answer(client: httpx.AsyncClient, number: int, line: str) -> dict[str
             raise ValueError("body must be a JSON object (the request's body)")
         if request["body"].get("stream"):
             raise ValueError("stream is not supported in a batch file: each answer is written whole")
-    except ValueError as error:
+        if first is not None:
+            raise LookupError(f"custom_id {custom_id!r} is already used by line {first}: they must be unique")
+    except (ValueError, LookupError) as error:
         code = "invalid_json" if isinstance(error, json.JSONDecodeError) else "invalid_request"
+        code = "duplicate_custom_id" if isinstance(error, LookupError) else code
         message = f"line {number}: {error}"
         return _record(custom_id, None, {"code": code, "message": message, "line": number})
     answer = await client.post(url, json=request["body"])

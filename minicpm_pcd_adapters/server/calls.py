@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from minicpm_pcd_adapters.server.protocol import (
     ResponseFormat,
     TextPart,
 )
+from minicpm_pcd_adapters.server.template import ChatTemplate, Switches
 from pcd_engine import Call, Conversation, Grammar, InputError, RawPrompt, Sampling, Turn
 
 
@@ -71,6 +72,7 @@ class ClassifyCall:
     logprobs: int | None = None  # answer with `choice.logprobs`, k alternatives each; None: not asked
     answer: str = "json"  # "choice": the chosen value alone (vLLM's `choice`); "enum": it as JSON
     prompts: tuple[RawPrompt, ...] = ()  # /v1/completions: raw prompts, classified instead of `text`
+    switches: Switches = ()  # template switches the prompt is rendered with (`PCDEngine.rendered_with`)
 
     @property
     def layout(self) -> str:
@@ -89,7 +91,7 @@ class ClassifyCall:
         """Requests with equal keys can share one `classify_batch` (same schema, plan, options)."""
         schema = json.dumps(self.schema, sort_keys=True)
         options = (self.sampling, self.abstain_below, self.calibration, self.logprobs)
-        return (schema, self.system, self.layout, *options)
+        return (schema, self.system, self.layout, self.switches, *options)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class ToolDecisionCall:
     include_usage: bool = False
     logprobs: int | None = None
     schema_param: str = "tools"  # where errors in a tool's parameters point
+    switches: Switches = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class GenerateCall:
     grammar: Grammar | None = None  # a regex or grammar constraint (xgrammar)
     grammar_param: str | None = None  # the request parameter it came from
     prompts: tuple[str, ...] = ()  # /v1/completions: raw prompts, continued instead of `messages`
+    switches: Switches = ()
 
     def runs(self) -> list[tuple[Any, Sampling]]:
         """(engine input, sampling) per choice, in choice order: each prompt (or the conversation)
@@ -151,7 +155,7 @@ def parse_request(
     body: Any, limits: RequestLimits, default_max_tokens: int = 512, template: ChatTemplate | None = None
 ) -> ClassifyCall | GenerateCall | ToolDecisionCall:
     """The call a Chat Completions body asks for; APIError (400) for anything not honoured.
-    `template`: the served chat template, against which `chat_template_kwargs` are checked."""
+    `template`: the served chat template, against which `chat_template_kwargs` are read."""
     request = read_body(ChatCompletionRequest, body)
     constraint = read_constraint(request)
     asked = requested_schema(request.response_format, constraint)
@@ -159,8 +163,7 @@ def parse_request(
         _alone(constraint, request, asked)
     decided = _tool_choice(request)
     _refuse_unsupported(request, limits)
-    if request.chat_template_kwargs:
-        (template or ChatTemplate()).check(request.chat_template_kwargs)
+    switches = (template or ChatTemplate()).switches(request.chat_template_kwargs)
     conversation = conversation_of(request.messages, limits)
     sampling = request_sampling(request)
     n = request.n or 1
@@ -177,18 +180,18 @@ def parse_request(
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
         return ToolDecisionCall(
             request.model, conversation, tools, decided, sampling, max_tokens, n, abstain, stream, usage,
-            logprobs, _tool_param(request),
+            logprobs, _tool_param(request), switches,
         )  # fmt: skip
     if constraint is not None and constraint.kind == "choice":
         return ClassifyCall(
             request.model, choice_schema(constraint.value), conversation, sampling, n, abstain, stream,
-            usage, constraint.param, logprobs=logprobs, answer="choice",
+            usage, constraint.param, logprobs=logprobs, answer="choice", switches=switches,
         )  # fmt: skip
     scored = schema_answer(asked[0]) if asked is not None else None
     if asked is not None and scored is not None:
         return ClassifyCall(
             request.model, scored[0], conversation, sampling, n, abstain, stream, usage, asked[1],
-            logprobs=logprobs, answer=scored[1],
+            logprobs=logprobs, answer=scored[1], switches=switches,
         )  # fmt: skip
     format_ = request.response_format
     json_object = (format_ is not None and format_.type == "json_object") or asked is not None  # `{}`
@@ -198,31 +201,8 @@ def parse_request(
         json_object, grammar = True, None
     return GenerateCall(
         request.model, conversation, max_tokens, stop, sampling, json_object, n, stream, usage, logprobs,
-        grammar, grammar_param,
+        grammar, grammar_param, switches=switches,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """The served chat template's text and the switches every prompt is rendered with, against
-    which a request's `chat_template_kwargs` are checked (`check`)."""
-
-    text: str = ""
-    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def check(self, asked: Mapping[str, Any]) -> None:
-        """A switch the template does not read is ignored (as vLLM does); one it reads must have the
-        value the server renders with, since scored answers are computed on one cached prompt head;
-        otherwise a 400 that says so."""
-        for key, value in asked.items():
-            if key not in self.text or self.kwargs.get(key) == value:
-                continue
-            served = f"{key}={self.kwargs[key]!r}" if key in self.kwargs else f"the template's default {key}"
-            message = (
-                f"chat_template_kwargs.{key}={value!r}: this server renders every prompt with {served} "
-                "(pcd serve's setting); a request cannot change it"
-            )
-            raise APIError(400, message, param=f"chat_template_kwargs.{key}", code="unsupported_value")
 
 
 def requested_schema(

@@ -2,6 +2,7 @@
 schema `pcd serve --schema` was started with. One more converter to the engine's calls: each input is
 one user turn, classified exactly as a chat request with that schema as its `response_format` (the same
 `ClassifyCall`, so the two share batches and give the same probabilities), served calibrations applied.
+vLLM's chat form (`messages`, with `chat_template_kwargs`) is one conversation, one `data` entry.
 
     {"model": "smollm2", "input": ["I was charged twice", "The app crashes"]}
     -> {"object": "list", "data": [{"index": 0, "label": "billing", "probs": [0.91, 0.06, 0.03],
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from minicpm_pcd_adapters.server.answers import classified_message, classified_usage
 from minicpm_pcd_adapters.server.batching import Batcher
 from minicpm_pcd_adapters.server.calibrations import Calibrations
-from minicpm_pcd_adapters.server.calls import ClassifyCall, RequestLimits
+from minicpm_pcd_adapters.server.calls import ClassifyCall, RequestLimits, conversation_of
 from minicpm_pcd_adapters.server.errors import APIError, read_body
 from minicpm_pcd_adapters.server.jobs import engine_error, json_body, observed, queued, while_connected
 from minicpm_pcd_adapters.server.metrics import ServerMetrics
@@ -40,6 +41,7 @@ from minicpm_pcd_adapters.server.protocol import (
     dump,
 )
 from minicpm_pcd_adapters.server.settings import ServerSettings
+from minicpm_pcd_adapters.server.template import ChatTemplate, Switches
 from pcd_engine import Conversation, PCDEngine, PCDError, PCDResult, Sampling
 
 
@@ -75,9 +77,10 @@ class ServedSchema:
 
 
 def read_classification(
-    body: Any, served: ServedSchema, model_name: str, limits: RequestLimits
+    body: Any, served: ServedSchema, model_name: str, limits: RequestLimits, template: ChatTemplate
 ) -> list[ClassifyCall]:
-    """A `/classify` request read into one `ClassifyCall` per input (APIError 400 before model work)."""
+    """A `/classify` request read into one `ClassifyCall` per input, or one for its conversation
+    (vLLM's chat form); APIError 400 before model work."""
     request = read_body(ClassificationRequest, body)
     if request.model is not None and request.model != model_name:
         message = f"the model {request.model!r} does not exist; this server serves {model_name!r}"
@@ -85,7 +88,17 @@ def read_classification(
     if request.truncate_prompt_tokens not in (None, -1):
         message = "truncate_prompt_tokens is not supported: texts are classified whole"
         raise APIError(400, message, param="truncate_prompt_tokens", code="unsupported_parameter")
-    texts = [request.input] if isinstance(request.input, str) else request.input
+    abstain = request.pcd.abstain_below if request.pcd else None
+    if (request.input is None) == (request.messages is None):
+        raise APIError(400, "give either input or messages", param="input", code="invalid_value")
+    if request.messages is not None:
+        switches = template.switches(request.chat_template_kwargs)
+        conversation = conversation_of(request.messages, limits)
+        return [_call(served, model_name, conversation, abstain, switches)]
+    if request.chat_template_kwargs is not None:
+        message = "chat_template_kwargs goes with messages (vLLM's chat form)"
+        raise APIError(400, message, param="chat_template_kwargs", code="invalid_value")
+    texts = [request.input] if isinstance(request.input, str) else list(request.input or [])
     if not texts:
         raise APIError(400, "input must hold at least one text", param="input", code="invalid_value")
     if len(texts) > limits.max_prompts:
@@ -95,18 +108,23 @@ def read_classification(
     if total > limits.max_text_chars:
         message = f"input holds {total} characters, over this server's limit of {limits.max_text_chars}"
         raise APIError(400, message, param="input", code="string_above_max_length")
-    abstain = request.pcd.abstain_below if request.pcd else None
     return [
-        ClassifyCall(
-            model_name,
-            served.schema,
-            Conversation.of([{"role": "user", "content": text}]),
-            Sampling(),
-            abstain_below=abstain,
-            schema_param="--schema",
-        )
-        for text in texts
+        _call(served, model_name, Conversation.of([{"role": "user", "content": t}]), abstain) for t in texts
     ]
+
+
+def _call(
+    served: ServedSchema,
+    model_name: str,
+    conversation: Conversation,
+    abstain: float | None,
+    switches: Switches = (),
+) -> ClassifyCall:
+    """The call a chat request with the served schema as its `response_format` would make."""
+    return ClassifyCall(
+        model_name, served.schema, conversation, Sampling(), abstain_below=abstain, schema_param="--schema",
+        switches=switches,
+    )  # fmt: skip
 
 
 def classification_body(
@@ -146,9 +164,11 @@ class ClassificationEndpoint:
         metrics: ServerMetrics,
         calibration: str | None,
         calibrations: Calibrations,
+        template: ChatTemplate,
     ) -> None:
         self.served, self.settings, self.limits, self.batcher = served, settings, limits, batcher
         self.metrics, self.calibration, self.calibrations = metrics, calibration, calibrations
+        self.template = template
 
     async def __call__(self, request: Request) -> Response:
         with observed(self.metrics) as seen:
@@ -160,7 +180,7 @@ class ClassificationEndpoint:
                 )
                 raise APIError(400, message, code="no_served_schema")
             calls = read_classification(
-                await json_body(request), self.served, self.settings.model_name, self.limits
+                await json_body(request), self.served, self.settings.model_name, self.limits, self.template
             )
             calls = [dataclasses.replace(c, calibration=self.calibration) for c in calls]
             timeout = self.settings.request_timeout_s

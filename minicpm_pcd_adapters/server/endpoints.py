@@ -30,7 +30,6 @@ from minicpm_pcd_adapters.server.answers import (
 from minicpm_pcd_adapters.server.batching import Batcher
 from minicpm_pcd_adapters.server.calibrations import Calibrations
 from minicpm_pcd_adapters.server.calls import (
-    ChatTemplate,
     ClassifyCall,
     GenerateCall,
     RequestCall,
@@ -58,6 +57,7 @@ from minicpm_pcd_adapters.server.protocol import (
     Usage,
 )
 from minicpm_pcd_adapters.server.settings import ServerSettings
+from minicpm_pcd_adapters.server.template import ChatTemplate
 from minicpm_pcd_adapters.server.text_completions import parse_completion
 from pcd_engine import (
     Generation,
@@ -79,7 +79,7 @@ class ClassifyRunner:
     def __call__(self, key: Hashable, calls: list[ClassifyCall]) -> list[list[PCDResult[Any] | PCDError]]:
         first = calls[0]
         inputs = [item for call in calls for item in call.inputs()]
-        results = self.engine.classify_batch(
+        results = self.engine.rendered_with(dict(first.switches)).classify_batch(
             inputs,
             first.schema,
             sampling=first.sampling,
@@ -114,8 +114,7 @@ class CompletionEndpoints:
         self.limits = RequestLimits(
             max_text_chars=settings.max_text_chars, max_completion_tokens=settings.max_completion_tokens
         )
-        template = str(getattr(engine.tokenizer, "chat_template", None) or "")
-        self.template = ChatTemplate(template, engine.prompt.template_kwargs)
+        self.template = ChatTemplate.of(engine)
 
     async def answer(self, request: Request) -> Response:
         """`POST /v1/chat/completions`."""
@@ -165,8 +164,9 @@ class CompletionEndpoints:
 
     async def _classify(self, call: ClassifyCall, request: Request) -> tuple[list[Choice], Usage]:
         try:  # schema errors before any model work (the plan is cached per schema)
+            engine = self.engine.rendered_with(dict(call.switches))
             plan = await asyncio.to_thread(
-                self.engine.plan, call.schema, instructions=call.system, layout=call.layout
+                engine.plan, call.schema, instructions=call.system, layout=call.layout
             )
         except PCDError as error:
             raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
@@ -194,14 +194,15 @@ class CompletionEndpoints:
     async def _tool_call(self, call: ToolDecisionCall, request: Request) -> tuple[list[Choice], Usage]:
         """A tool decision (or text answer, or the one tool a choice names) per choice, on the model
         worker; the tools' parameters are checked first, before any model work."""
+        engine = self.engine.rendered_with(dict(call.switches))
         try:
-            await asyncio.to_thread(self.engine.tools.plan, call.tools, call.tool_choice)
+            await asyncio.to_thread(engine.tools.plan, call.tools, call.tool_choice)
         except PCDError as error:
             raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
 
         def decide() -> list[Any]:
             return [
-                self.engine.tools.call(
+                engine.tools.call(
                     call.conversation,
                     call.tools,
                     tool_choice=call.tool_choice,
@@ -220,10 +221,11 @@ class CompletionEndpoints:
         return answers, tokens
 
     async def _generate(self, call: GenerateCall, request: Request) -> tuple[list[Choice], Usage]:
+        engine = self.engine.rendered_with(dict(call.switches))
+
         def generations() -> list[Generation]:
             return [
-                self.engine.generate(item, sampling=sampling, **_options(call))
-                for item, sampling in call.runs()
+                engine.generate(item, sampling=sampling, **_options(call)) for item, sampling in call.runs()
             ]
 
         answers = await while_connected(request, self._queued(self.batcher.exclusive(generations)))
@@ -239,6 +241,7 @@ class CompletionEndpoints:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[Any] = asyncio.Queue()
         leave = threading.Event()  # set when the client has gone: generation stops at its next token
+        engine = self.engine.rendered_with(dict(call.switches))
 
         def work() -> None:
             def put(item: Any) -> None:
@@ -248,7 +251,7 @@ class CompletionEndpoints:
                 for index, (item, sampling) in enumerate(call.runs()):
                     if leave.is_set():
                         return
-                    stream = self.engine.stream(item, sampling=sampling, **_options(call))
+                    stream = engine.stream(item, sampling=sampling, **_options(call))
                     try:
                         for piece in stream:
                             put((index, piece))

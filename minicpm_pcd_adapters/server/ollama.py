@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minicpm_pcd_adapters.server.answers import usage
 from minicpm_pcd_adapters.server.calls import (
+    ClassifyCall,
     GenerateCall,
     RequestCall,
     call_kind,
@@ -34,6 +35,7 @@ from minicpm_pcd_adapters.server.jobs import drained, json_body, observed, repla
 from minicpm_pcd_adapters.server.metrics import ServerMetrics
 from minicpm_pcd_adapters.server.ollama_calls import OllamaReader, OllamaShowRequest
 from minicpm_pcd_adapters.server.protocol import Choice, Usage
+from minicpm_pcd_adapters.server.thinking import OPEN, ThinkingStream
 from pcd_engine import PCDEngine, __version__
 
 # -- writing the answer ------------------------------------------------------------------------------
@@ -43,19 +45,32 @@ class OllamaWriter:
     """One answer in Ollama's shape: `message` (chat) or `response` (generate), the final object with
     `done`, the reason, the durations (nanoseconds) and the token counts."""
 
-    def __init__(self, model: str, chat: bool) -> None:
+    def __init__(self, model: str, chat: bool, thinking: ThinkingStream | None = None) -> None:
         self.model, self.chat, self.started = model, chat, time.perf_counter_ns()
+        self.thinking = thinking  # the request thinks: generated text is cut into thinking and answer
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(thinking, answer) new in a generated piece; all answer unless the request thinks."""
+        return self.thinking.feed(text, final) if self.thinking is not None else ("", text)
 
     def piece(
-        self, text: str, logprobs: list[dict[str, Any]] | None = None, calls: Any = None
+        self,
+        text: str,
+        logprobs: list[dict[str, Any]] | None = None,
+        calls: Any = None,
+        thinking: str = "",
     ) -> dict[str, Any]:
         out = self._head()
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                out["message"]["thinking"] = thinking
             if calls:
                 out["message"]["tool_calls"] = calls
         else:
             out["response"] = text
+            if thinking:
+                out["thinking"] = thinking
         if logprobs:
             out["logprobs"] = logprobs
         out["done"] = False
@@ -76,11 +91,15 @@ class OllamaWriter:
     def whole(self, choice: Choice, tokens: Usage) -> dict[str, Any]:
         """A non-streamed answer: the choice's text (or tool calls) and the final fields in one."""
         out = self.done(_reason(choice), tokens, _extension(choice))
-        first = self.piece(choice.message.content or "", _logprobs_of(choice), _calls_of(choice))
-        out["message" if self.chat else "response"] = first["message" if self.chat else "response"]
-        if "logprobs" in first:
-            out["logprobs"] = first["logprobs"]
+        out.update(self.whole_piece(choice))
         return out
+
+    def whole_piece(self, choice: Choice) -> dict[str, Any]:
+        """The piece holding a whole choice: its text (cut into thinking and answer when the request
+        thinks), tool calls and logprobs."""
+        thinking, text = self.split(choice.message.content or "", final=True)
+        piece = self.piece(text, _logprobs_of(choice), _calls_of(choice), thinking)
+        return {k: v for k, v in piece.items() if k in ("message", "response", "thinking", "logprobs")}
 
     def _head(self) -> dict[str, Any]:
         created = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
@@ -159,9 +178,26 @@ class OllamaEndpoints:
             call = read(await json_body(request))
             if call is not None:
                 seen.kind = call_kind(call)
-            response = await self._respond(call, OllamaWriter(self.reader.model, chat), request)
+            writer = OllamaWriter(self.reader.model, chat, self._thinking(call))
+            response = await self._respond(call, writer, request)
             seen.status = response.status_code
             return response
+
+    def _thinking(self, call: RequestCall | None) -> ThinkingStream | None:
+        """A stream that cuts generated text into thinking and answer, when the call's prompt is
+        rendered with thinking on; scored answers and raw prompts have no thinking."""
+        if (
+            call is None
+            or isinstance(call, ClassifyCall)
+            or (isinstance(call, GenerateCall) and call.prompts)
+        ):
+            return None
+        prompt = self.engine.rendered_with(dict(call.switches)).prompt
+        if not (
+            prompt.template_kwargs.get("enable_thinking") and self.reader.template.reads("enable_thinking")
+        ):
+            return None
+        return ThinkingStream(opened=prompt.decode(prompt.tail).rstrip().endswith(OPEN))
 
     async def _respond(self, call: RequestCall | None, writer: OllamaWriter, request: Request) -> Response:
         if call is None:  # an empty prompt: Ollama loads the model and answers at once
@@ -174,7 +210,7 @@ class OllamaEndpoints:
         if not call.stream:
             return JSONResponse(writer.whole(choice, tokens))
         lines = [
-            writer.piece(choice.message.content or "", _logprobs_of(choice), _calls_of(choice)),
+            writer.piece("") | writer.whole_piece(choice),
             writer.done(_reason(choice), tokens, _extension(choice)),
         ]
         return _ndjson(replayed(lines))
@@ -189,8 +225,9 @@ class OllamaEndpoints:
                     _logprob(t.token, t.logprob, [_logprob(x, p) for x, p in t.top])
                     for t in piece.logprobs or ()
                 ]
-                if piece.text or logprobs:
-                    yield writer.piece(piece.text, logprobs)
+                thinking, text = writer.split(piece.text, final=piece.finish_reason is not None)
+                if text or thinking or logprobs:
+                    yield writer.piece(text, logprobs, thinking=thinking)
                 if piece.finish_reason is not None:
                     prompt_tokens, completion_tokens = piece.prompt_tokens or 0, piece.completion_tokens or 0
                     reason = "length" if piece.finish_reason == "length" else "stop"
@@ -208,6 +245,7 @@ class OllamaEndpoints:
         config = getattr(self.engine.model, "config", None)
         family = str(getattr(config, "model_type", "unknown"))
         template = str(getattr(self.engine.tokenizer, "chat_template", None) or "")
+        thinks = self.reader.template.reads("enable_thinking")
         return {
             "modelfile": f"# served by minicpm-pcd {__version__}",
             "parameters": "",
@@ -217,7 +255,7 @@ class OllamaEndpoints:
                 "general.architecture": family,
                 f"{family}.context_length": self.engine.limits.max_prompt_tokens,
             },
-            "capabilities": ["completion", "tools"],
+            "capabilities": ["completion", "tools", *(["thinking"] if thinks else [])],
             "modified_at": self.modified,
         }
 

@@ -6,7 +6,8 @@ checked before any model work (APIError, written as Ollama's `{"error": ...}` bo
 JSON object), `"json"` JSON-object generation, `tools` a tool decision ("auto": Ollama has no
 `tool_choice`), anything else plain chat. `options`: `temperature`, `top_p`, `top_k`, `min_p`,
 `repeat_penalty`, `seed`, `num_predict`, `stop` are honoured; the rest tune Ollama's runtime and are
-ignored. `think: true`, images, `template`, `suffix` and `context` are refused.
+ignored. `think` sets the template's `enable_thinking` (refused, as Ollama does, by a model whose
+template has no such switch); images, `template`, `suffix` and `context` are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from minicpm_pcd_adapters.server.constraints import schema_answer
 from minicpm_pcd_adapters.server.errors import APIError, read_body
 from minicpm_pcd_adapters.server.protocol import Tool
 from minicpm_pcd_adapters.server.settings import ServerSettings
+from minicpm_pcd_adapters.server.template import ChatTemplate, Switches
 from pcd_engine import Call, Conversation, InputError, RawPrompt, Sampling, Turn
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -108,8 +110,9 @@ class OllamaShowRequest(_Lenient):
 class OllamaReader:
     """Ollama's requests read into the server's calls, checked before any model work (APIError)."""
 
-    def __init__(self, settings: ServerSettings, limits: RequestLimits) -> None:
+    def __init__(self, settings: ServerSettings, limits: RequestLimits, template: ChatTemplate) -> None:
         self.model, self.limits, self.default_max_tokens = settings.model_name, limits, settings.max_tokens
+        self.template = template
 
     def names(self) -> tuple[str, ...]:
         """The names clients may send: the served name, and with Ollama's default tag."""
@@ -122,7 +125,7 @@ class OllamaReader:
     def chat(self, body: Any) -> RequestCall:
         request = read_body(OllamaChatRequest, body)
         self.check_model(request.model)
-        self._common(request)
+        switches = self._switches(request)
         conversation = self._conversation(request.messages)
         if request.tools:
             if request.format:
@@ -133,15 +136,15 @@ class OllamaReader:
             logprobs = _logprobs(request)
             return ToolDecisionCall(
                 self.model, conversation, tools, "auto", sampling, max_tokens, stream=request.stream,
-                logprobs=logprobs,
+                logprobs=logprobs, switches=switches,
             )  # fmt: skip
-        return self._formatted(request, conversation, ())
+        return self._formatted(request, conversation, (), switches)
 
     def generate(self, body: Any) -> RequestCall | None:
         """The call of a generate request; None for an empty prompt (Ollama's "load the model")."""
         request = read_body(OllamaGenerateRequest, body)
         self.check_model(request.model)
-        self._common(request)
+        switches = self._switches(request)
         refused = {"template": request.template, "suffix": request.suffix, "context": request.context}
         for name, value in refused.items():
             if value:
@@ -157,17 +160,25 @@ class OllamaReader:
             message = f"the prompt is over this server's limit of {self.limits.max_text_chars} characters"
             raise APIError(400, message, param="prompt", code="string_above_max_length")
         if request.raw:
-            return self._formatted(request, None, (request.prompt,))
+            return self._formatted(request, None, (request.prompt,), switches)
         conversation = Conversation((Turn("user", request.prompt),), request.system or None)
-        return self._formatted(request, conversation, ())
+        return self._formatted(request, conversation, (), switches)
 
-    def _common(self, request: _Request) -> None:
-        if request.think not in (None, False, "false", "none"):
-            message = "think is not supported by this server: it renders every prompt with thinking off"
-            raise APIError(400, message, param="think", code="unsupported_parameter")
+    def _switches(self, request: _Request) -> Switches:
+        """`think` as the template's `enable_thinking` (`"high"` and the other levels: on)."""
+        if request.think is None:
+            return ()
+        on = request.think not in (False, "false", "none")
+        if on and not self.template.reads("enable_thinking"):
+            raise APIError(400, f'"{self.model}" does not support thinking', param="think")
+        return self.template.switches({"enable_thinking": on}, param="think")
 
     def _formatted(
-        self, request: _Request, conversation: Conversation | None, prompts: tuple[str, ...]
+        self,
+        request: _Request,
+        conversation: Conversation | None,
+        prompts: tuple[str, ...],
+        switches: Switches,
     ) -> RequestCall:
         """Plain chat, JSON-object generation (`"json"`, or an empty schema) or a scored schema."""
         sampling, max_tokens, stop = self._options(request.options)
@@ -180,12 +191,12 @@ class OllamaReader:
                 raw = tuple(RawPrompt(p, "json") for p in prompts)
                 return ClassifyCall(
                     self.model, schema, conversation, sampling, 1, None, stream, False, "format",
-                    logprobs=logprobs, answer=answer, prompts=raw,
+                    logprobs=logprobs, answer=answer, prompts=raw, switches=switches,
                 )  # fmt: skip
         json_object = request.format == "json" or request.format == {}
         return GenerateCall(
             self.model, conversation, max_tokens, stop, sampling, json_object, 1, stream, False, logprobs,
-            prompts=prompts,
+            prompts=prompts, switches=switches,
         )  # fmt: skip
 
     def _options(self, options: OllamaOptions | None) -> tuple[Sampling, int, list[str]]:

@@ -4,8 +4,7 @@ servers' constraint fields from `constraints.py`), `/classify`, `/tokenize`, `/d
 completions and chunks with the `pcd` extension and standard `logprobs`, classifications, tokens,
 `Health`, the model and calibration lists; the error body is `errors.ErrorBody`. The server builds
 every answer from these models (`dump`) and `/openapi.json` publishes them (`openapi.py`), so the
-document cannot drift from what is sent; answer models refuse unknown fields. (Ollama's bodies are
-Ollama's: `ollama_calls.py`.)
+document cannot drift from what is sent; answer models refuse unknown fields. (Ollama's: `ollama_calls.py`.)
 """
 
 from __future__ import annotations
@@ -169,11 +168,13 @@ class CompletionRequest(ConstrainedDecoding):
 
 
 class ClassificationRequest(_Strict):
-    """`POST /classify` (and `/v1/classify`), vLLM's and SGLang's request: texts classified with the
-    schema the server was started with (`pcd serve --schema`)."""
+    """`POST /classify` (and `/v1/classify`), vLLM's and SGLang's: texts (`input`) or vLLM's chat form
+    (one conversation in `messages`), classified with the schema of `pcd serve --schema`."""
 
     model: str | None = None  # optional, as vLLM takes it; when given, the served model's id
-    input: str | list[str]
+    input: str | list[str] | None = None
+    messages: list[Message] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
     priority: int | None = None  # accepted, ignored: one queue
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # refused when set: never truncated
@@ -181,9 +182,8 @@ class ClassificationRequest(_Strict):
 
 
 class TokenizeRequest(_Strict):
-    """`POST /tokenize`, vLLM's two forms: a `prompt` (tokenized as data, after the tokenizer's BOS
-    when `add_special_tokens`), or chat `messages` rendered with the chat template as every chat
-    request is (the assistant's start included)."""
+    """`POST /tokenize`, vLLM's two forms: a `prompt` (as data, after the BOS if `add_special_tokens`),
+    or chat `messages` rendered as every chat request is (the assistant's start included)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -192,6 +192,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True  # only true: every chat request is rendered up to the answer
     return_token_strs: bool = False
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -215,8 +216,7 @@ def dump(answer: BaseModel) -> dict[str, Any]:
 
 
 class Health(_Answer):
-    """`GET /health`: 200 with "ok" while the model worker takes work; 503 with "starting" before the
-    server has started, "stopped" once its worker has shut down."""
+    """`GET /health`: 200 "ok" while the model worker takes work; 503 "starting" or "stopped" if not."""
 
     status: Literal["ok", "starting", "stopped"]
     model: str

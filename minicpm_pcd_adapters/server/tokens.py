@@ -23,6 +23,7 @@ from minicpm_pcd_adapters.server.protocol import (
     TokenizeResponse,
     dump,
 )
+from minicpm_pcd_adapters.server.template import ChatTemplate
 from pcd_engine import InputError, PCDEngine
 
 
@@ -32,6 +33,7 @@ class TokenEndpoints:
 
     def __init__(self, engine: PCDEngine, model_name: str, limits: RequestLimits) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
+        self.template = ChatTemplate.of(engine)
         self.vocabulary = len(engine.tokenizer)
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
@@ -74,9 +76,11 @@ class TokenEndpoints:
             message = "add_generation_prompt: false is not supported: chat is rendered up to the answer"
             raise APIError(400, message, param="add_generation_prompt", code="unsupported_parameter")
         assert asked.messages is not None
+        switches = self.template.switches(asked.chat_template_kwargs)
         conversation = conversation_of(asked.messages, self.limits)
         tools = [t.model_dump(exclude_none=True) for t in asked.tools or []]
         try:
+            prompt = self.engine.rendered_with(dict(switches)).prompt
             return list(prompt.render_conversation(conversation.system, conversation, tools))
         except InputError as error:
             raise APIError(400, str(error), param="messages", code="invalid_input") from None

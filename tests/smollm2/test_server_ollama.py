@@ -160,7 +160,8 @@ def test_errors_are_ollamas_and_name_the_cause(base):
 
     hi = [{"role": "user", "content": "hi"}]
     assert error("/api/chat", {"model": "llama3", "messages": hi}, 404) == "model 'llama3' not found"
-    assert "think" in error("/api/chat", {"model": "smollm2", "messages": hi, "think": True}, 400)
+    thinking = error("/api/chat", {"model": "smollm2", "messages": hi, "think": True}, 400)
+    assert thinking == '"smollm2" does not support thinking'  # SmolLM2's template has no switch
     assert "images" in error(
         "/api/chat", {"model": "smollm2", "messages": [hi[0] | {"images": ["aGk="]}]}, 400
     )

@@ -181,6 +181,7 @@ def test_cli_run_batch_on_ray_answers_every_line_once_in_order(folder, tmp_path)
             json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
         )
     lines[4] = "{not json"
+    lines[9] = lines[9].replace('"r9"', '"r1"')  # line 2's custom_id, three parts later
     source, output = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(lines) + "\n")
     address = ray.get_runtime_context().gcs_address
@@ -189,13 +190,17 @@ def test_cli_run_batch_on_ray_answers_every_line_once_in_order(folder, tmp_path)
                "--served-model-name", "tiny", "--actors", "2", "--part-lines", "3",
                "--concurrency", "2"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, done.stderr[-2000:]  # the broken line's error record
+    assert done.returncode == 1, done.stderr[-2000:]  # the broken lines' error records
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [r["custom_id"] for r in records] == [f"r{i}" if i != 4 else None for i in range(11)]
+    ids = [f"r{i}" if i != 9 else "r1" for i in range(11)]
+    assert [r["custom_id"] for r in records] == [x if i != 4 else None for i, x in enumerate(ids)]
     assert records[4]["error"]["code"] == "invalid_json" and "line 5" in records[4]["error"]["message"]
+    assert (
+        records[9]["error"]["code"] == "duplicate_custom_id" and "by line 2" in records[9]["error"]["message"]
+    )
     engine = PCDEngine.from_pretrained(folder)
     for i, record in enumerate(records):
-        if i != 4:
+        if i not in (4, 9):
             answer = json.loads(record["response"]["body"]["choices"][0]["message"]["content"])
             assert answer == engine.classify(TEXTS[i % 5], schema).value
     assert not (tmp_path / "out.jsonl.parts").exists()

@@ -1,7 +1,8 @@
 """`pcd run-batch` on the tiny model: an OpenAI batch file of chat, completions and classify lines,
 good and bad, answered by the server's own app in process, one record per line in input order, in
-OpenAI's batch output shape; scored lines share engine batches across lines; a bad line is one error
-record and the run goes on; a killed run resumed with `--resume` loses and repeats nothing."""
+OpenAI's batch output shape; scored lines share engine batches across lines; a bad line (or a
+repeated custom_id) is one error record and the run goes on; a killed run resumed with `--resume`
+loses and repeats nothing."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def lines_file(path, count=12):
                            "body": {"model": "tiny", "input": ["refund me", "hello"]}})  # fmt: skip
     lines[9] = json.dumps({"custom_id": "streamed", "url": "/v1/chat/completions",
                            "body": {"model": "tiny", "messages": hi, "stream": True}})  # fmt: skip
+    lines[11] = json.dumps(chat_line(1, "a second request under line 2's custom_id"))
     path.write_text("\n".join(lines) + "\n")
     return lines
 
@@ -70,7 +72,7 @@ def test_every_line_gets_one_record_in_order_and_scored_lines_share_batches(engi
     assert len({r["id"] for r in records}) == len(records) and all(
         r["id"].startswith("batch_req_") for r in records
     )
-    for i in (0, 1, 2, 4, 10, 11):  # chat lines: what the engine answers in process
+    for i in (0, 1, 2, 4, 10):  # chat lines: what the engine answers in process
         record = records[i]
         assert record["error"] is None and record["response"]["status_code"] == 200
         choice = record["response"]["body"]["choices"][0]
@@ -85,7 +87,12 @@ def test_every_line_gets_one_record_in_order_and_scored_lines_share_batches(engi
     assert records[7]["response"]["body"]["object"] == "text_completion"
     assert [d["index"] for d in records[8]["response"]["body"]["data"]] == [0, 1]
     assert "stream" in records[9]["error"]["message"]
-    assert summary.failed == 4
+    assert records[11]["response"] is None and records[11]["error"] == {
+        "code": "duplicate_custom_id",
+        "message": "line 12: custom_id 'chat-1' is already used by line 2: they must be unique",
+        "line": 12,
+    }
+    assert summary.failed == 5
     metrics = app.state.metrics.registry
     batches = metrics.get_sample_value("pcd_batch_size_count")
     answers = metrics.get_sample_value("pcd_batch_size_sum")

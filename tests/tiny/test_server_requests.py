@@ -1,9 +1,10 @@
 """The requests clients migrating from vLLM, SGLang and llama.cpp send, against `pcd serve` on the
 tiny model (uvicorn on 127.0.0.1): sampling fields honoured, llama.cpp's and SGLang's schema forms, a
 root-enum schema answered as a choice, `{}` as any JSON object, one schema sent twice, template
-switches the template does not read ignored, and vLLM's refusals (tool_choice without tools, empty
-tools, a constraint-less `structured_outputs`) with a 400 naming the field. Plus `/health` before start
-and after stop, and a server without `--schema` refusing `/classify`."""
+switches the template does not read ignored (those it reads: test_server_template.py), and vLLM's
+refusals (tool_choice without tools, empty tools, a constraint-less `structured_outputs`) with a 400
+naming the field. Plus `/health` before start and after stop, and a server without `--schema`
+refusing `/classify`."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import httpx
 import pytest
 
 from minicpm_pcd_adapters.server.app import create_app
-from minicpm_pcd_adapters.server.calls import ChatTemplate
-from minicpm_pcd_adapters.server.errors import APIError
 from minicpm_pcd_adapters.server.settings import ServerSettings
 from pcd_engine import Sampling
 from tests.helpers import ROUTE, served
@@ -123,14 +122,6 @@ def test_what_vllm_refuses_is_refused_naming_the_field(url):
     assert refused({"structured_outputs": {}}) == "structured_outputs"
     assert post(url, {"messages": ASKED, "tool_choice": "none", "max_tokens": 2}).status_code == 200
     assert post(url, {"messages": ASKED, "tool_choice": "auto", "max_tokens": 2}).status_code == 200
-
-
-def test_template_switches_the_template_does_not_read_are_ignored_and_others_must_match():
-    template = ChatTemplate("{% if enable_thinking %}<think>{% endif %}", {"enable_thinking": False})
-    template.check({"enable_thinking": False, "add_vision_id": True})  # the served value; unread: ignored
-    with pytest.raises(APIError, match="enable_thinking=False") as refused:
-        template.check({"enable_thinking": True})
-    assert refused.value.param == "chat_template_kwargs.enable_thinking"
 
 
 def test_template_kwargs_through_the_server(url):
