@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from pcd_engine import gguf_cache
 from pcd_engine.errors import ModelLoadError
 from pcd_engine.manifest import verify_manifest
 
@@ -67,7 +68,8 @@ def load_model_and_tokenizer(
 
     A hub id is first resolved to a local snapshot folder (`hub_snapshot`: safetensors weights only,
     the local cache at once when the hub is unreachable). With `manifest` (a `pcd manifest create`
-    file or dict), the folder's files are checked against it before anything is loaded.
+    file or dict), the folder's files are checked against it before anything is loaded. A GGUF file
+    is converted once and read from `gguf_cache` afterwards (not when checked against a manifest).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,6 +91,10 @@ def load_model_and_tokenizer(
             model_kwargs["use_safetensors"] = True  # never unpickle downloaded weights
     if manifest is not None:
         verify_manifest(folder, manifest, revision=hub_revision)
+    gguf = folder / gguf_file if gguf_file is not None else None
+    source_folder = folder
+    if gguf is not None and manifest is None and (kept := gguf_cache.converted(gguf)) is not None:
+        folder, gguf, gguf_file = kept, None, None  # converted before: an ordinary folder
     common: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if model_kwargs.get("trust_remote_code"):
         common["trust_remote_code"] = True
@@ -99,6 +105,10 @@ def load_model_and_tokenizer(
         )
     except OSError as error:
         raise ModelLoadError(f"could not load a model from {folder}: {error}") from error
+    if gguf is not None and manifest is None:
+        gguf_cache.keep(gguf, model, tokenizer)
+    if gguf_file is None and folder != source_folder:  # read from the cache: named by the file's folder
+        model.name_or_path = model.config.name_or_path = str(source_folder)
     model.to(resolve_device(device))  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer

@@ -11,13 +11,20 @@ A module that needs other engine options defines its own `engine`."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GGUF files converted once per test session (pcd_engine/gguf_cache.py), never into the user's cache;
+# the CLI's subprocesses inherit it, so only the session's first SmolLM2 load parses the GGUF file
+SESSION_CACHE = None if "MINICPM_PCD_CACHE" in os.environ else tempfile.mkdtemp(prefix="pcd-test-cache-")
+if SESSION_CACHE is not None:
+    os.environ["MINICPM_PCD_CACHE"] = SESSION_CACHE
 
-from tests.helpers import smollm2_model, tiny_llama
+from tests.helpers import smollm2_model, tiny_llama  # noqa: E402  (after the environment above)
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -33,6 +40,11 @@ CORPUS = [
     '{"tags": {"billing": true, "bug": false}} {"shipping": {"method": "air", "fast": false}}',
     "Classify the text in the user's message. Fields: One of: true or false. An integer from 1 to 5.",
 ] * 20
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if SESSION_CACHE is not None:
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -166,6 +166,7 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
     report_dir = tmp_path / "report"
     measured = run_pcd("evaluate", *common, "--calibration", saved, "--fit", "8", "--report", report_dir)
     assert measured.returncode == 0, measured.stderr
+    assert LOADING in measured.stderr  # the marker the refusals below must not show
     assert "== uncalibrated" in measured.stdout and "== calibrated on 8" in measured.stdout
     report = json.loads((report_dir / "report.json").read_text())
     assert set(report) == {"uncalibrated", "calibrated", "calibrated on 8"}
@@ -202,7 +203,7 @@ def test_cli_evaluate_calibrate_and_classify_with_the_calibration(tmp_path):
     assert LOADING not in wrong.stderr  # refused before the model loads
 
 
-LOADING = "de-quantizing GGUF tensors"  # what loading SmolLM2 writes to stderr
+LOADING = "Loading weights"  # what loading a model writes to stderr (from a GGUF file or a folder)
 
 
 def run_pcd(*args: object) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ from tests.helpers import LABELED_TEXTS as TEXTS
 ROOT = Path(__file__).resolve().parents[2]
 LABELED = ROOT / "examples" / "tickets_labeled.jsonl"
 TICKET = "examples/ticket.py:Ticket"
-LOADING = "de-quantizing GGUF tensors"  # what loading SmolLM2 writes to stderr
+LOADING = "Loading weights"  # what loading a model writes to stderr (from a GGUF file or a folder)
 
 
 def pcd(*args: object) -> subprocess.CompletedProcess[str]:

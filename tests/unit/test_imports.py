@@ -10,8 +10,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pcd_engine", "minicpm_pcd_adapters", "benchmarks")
 OUTSIDE_THE_CORE = {
-    "minicpm_pcd_adapters", "langchain", "langchain_core", "llama_index", "fastapi", "starlette",
-    "uvicorn", "prometheus_client", "openai", "ray", "pyarrow", "matplotlib",
+    "minicpm_pcd_adapters",
+    "langchain",
+    "langchain_core",
+    "llama_index",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "prometheus_client",
+    "openai",
+    "ray",
+    "pyarrow",
+    "matplotlib",
 }  # fmt: skip  (jinja2 is the core's: chat templates are Jinja, and their switches are read with it)
 
 
