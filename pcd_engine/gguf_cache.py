@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,8 @@ def keep(gguf: Path, model: Any, tokenizer: Any) -> Path | None:
         tokenizer.save_pretrained(partial)
         if not folder.exists():
             partial.rename(folder)
-    except OSError:  # a read-only or full disk: the load goes on without the cache
+    except Exception as error:  # a read-only or full disk, or anything else: the load goes on without it
+        warnings.warn(f"the converted GGUF file was not kept in {root}: {error}", stacklevel=3)
         return None
     finally:
         shutil.rmtree(partial, ignore_errors=True)

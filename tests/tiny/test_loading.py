@@ -5,6 +5,7 @@ saved as a folder and as hub cache snapshots."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 import sys
@@ -143,3 +144,29 @@ def test_pcd_manifest_create_and_verify_and_classify_refusing_a_changed_model(fo
     )  # fmt: skip
     assert classify.returncode == 2 and "model.safetensors" in classify.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_kept_conversion_is_found_by_the_files_digest_and_a_cache_that_cannot_be_written_is_skipped(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    from pcd_engine import gguf_cache
+
+    source = tmp_path / "model.gguf"  # what `keep` reads of it: its bytes, for the digest
+    source.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    monkeypatch.setenv("MINICPM_PCD_CACHE", str(tmp_path / "cache"))
+    assert gguf_cache.converted(source) is None
+    folder = gguf_cache.keep(source, tiny_model, tiny_tokenizer)
+    assert folder == gguf_cache.converted(source) == tmp_path / "cache" / "gguf" / gguf_cache.digest(source)
+    assert not [p for p in folder.parent.iterdir() if p.name.endswith(".partial")]
+    loaded = PCDEngine.from_pretrained(folder, device="cpu").model
+    for name, weight in tiny_model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], weight)
+    source.write_bytes(source.read_bytes() + b"changed")
+    assert gguf_cache.converted(source) is None  # another file: another digest
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("MINICPM_PCD_CACHE", str(blocked))  # its gguf/ folder cannot be made
+    with pytest.warns(UserWarning, match="was not kept"):
+        assert gguf_cache.keep(source, tiny_model, tiny_tokenizer) is None
+    lower = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    assert gguf_cache.keep(source, lower, tiny_tokenizer) is None  # float32 only
