@@ -8,6 +8,10 @@ only where numbers are rounded differs:
                       float32 against float32 copies of only their LM-head rows (the normaliser of a
                       row, its log-sum-exp over the vocabulary, stays from the bf16 head)
   bf16, fp32 head     the decoder in bf16; the whole LM head in float32 (a float32 copy of its weight)
+  bf16 products, fp32 residual   matrix products in bf16 (torch.autocast), the residual stream, norms
+                      and rotary embeddings in float32, the scored columns in float32
+  fp32, bf16-rounded weights     float32 compute on weights rounded to bf16 and back: what the
+                      weights' rounding alone costs
 Per set: field accuracy against the labels, the share of fields decided as fp32 decides them, the
 largest probability difference from fp32, and the median time per text (one text a call).
 
@@ -58,7 +62,7 @@ class Float32Columns:
             if self.head32 is not None:
                 normaliser = torch.logsumexp(flat.float() @ self.head32.T, dim=-1)
             else:
-                normaliser = torch.logsumexp((flat @ self.weight.T).float(), dim=-1)
+                normaliser = torch.logsumexp((flat.to(self.weight.dtype) @ self.weight.T).float(), dim=-1)
             columns = self.own_rows(flat, tree) - normaliser[:, None]
             out.append(columns.reshape(*hidden.shape[:-1], len(tree.vocab)))
         return out
@@ -76,7 +80,27 @@ def variants(base: PCDEngine) -> dict[str, PCDEngine]:
         if columns is not None:
             Float32Columns(engine.runner.projection, whole_head=columns).install()
         out[name] = engine
+    mixed = copy.deepcopy(model16)
+    mixed.get_input_embeddings().register_forward_hook(lambda module, args, output: output.float())
+    for module in (mixed, mixed.get_decoder(), mixed.get_output_embeddings()):
+        _autocast(module)  # products in bf16; adds, norms and rotary stay in the float32 stream
+    engine = PCDEngine(mixed, base.tokenizer, rule=base.rule, self_check=False)
+    engine.runner.projection.head_splits = True  # its probe runs the head outside autocast
+    Float32Columns(engine.runner.projection, whole_head=False).install()
+    out["bf16 products, fp32 residual"] = engine
+    rounded = copy.deepcopy(base.model).to(torch.bfloat16).to(torch.float32)
+    out["fp32, bf16-rounded weights"] = PCDEngine(rounded, base.tokenizer, rule=base.rule)
     return out
+
+
+def _autocast(module: Any) -> None:
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
 
 
 def measure(engine: PCDEngine, schema: Any, rows: list[dict[str, Any]]) -> tuple[list[Any], list[float]]:
@@ -90,7 +114,9 @@ def measure(engine: PCDEngine, schema: Any, rows: list[dict[str, Any]]) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--limit", type=int, default=100, help="rows per set (default 100)")
     parser.add_argument("--sets", nargs="*", default=list(SETS))
     parser.add_argument("--json", type=Path, help="write the figures here")

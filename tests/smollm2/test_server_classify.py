@@ -119,3 +119,25 @@ def test_models_health_and_metrics_say_what_the_server_serves_and_did(http, engi
     abstained = 'pcd_abstained_fields_total{schema="Ticket"}'
     assert metric(after, abstained) - metric(before, abstained) >= 2
     assert metric(after, "pcd_prompt_tokens_total") > metric(before, "pcd_prompt_tokens_total")
+
+
+def test_vllms_chat_form_classifies_the_conversation_as_chat_does(http):
+    """`/classify` with `messages`: one conversation (system text, earlier turns), one entry, equal to
+    a chat request with the same messages and the served schema."""
+    messages = [
+        {"role": "system", "content": "You route customer-support messages."},
+        {"role": "user", "content": "Hi, I have a question about my account."},
+        {"role": "assistant", "content": "Sure, what is it?"},
+        {"role": "user", "content": TEXTS[0]},
+    ]
+    answer = http.post("/classify", json={"model": "smollm2", "messages": messages}).json()
+    (data,) = answer["data"]
+    schema = {"type": "json_schema", "json_schema": {"name": "Ticket", "schema": Ticket.model_json_schema()}}
+    body = {"model": "smollm2", "messages": messages, "response_format": schema}
+    chatted = http.post("/v1/chat/completions", json=body).json()
+    topic = chatted["choices"][0]["pcd"]["fields"]["topic"]
+    assert data["label"] == topic["value"]
+    assert data["probs"] == pytest.approx([topic["probabilities"][t] for t in TOPICS], abs=1e-4)
+    assert answer["usage"]["prompt_tokens"] == chatted["usage"]["prompt_tokens"]
+    single = http.post("/classify", json={"input": TEXTS[0]}).json()["data"][0]
+    assert data["probs"] != pytest.approx(single["probs"], abs=1e-4)  # the earlier turns count
