@@ -219,6 +219,8 @@ class PCDEngine(LearningMixin, ChatMixin):
                 prefix_cache=cache, reference_model=reference, self_check=False,
             )  # fmt: skip
             engine.precision_check, engine._root = root.precision_check, root
+            if engine.rescorer is not None and root.rescorer is not None:  # one FP32 prefix cache too
+                engine.rescorer.scorer.prefix_cache = root.rescorer.scorer.prefix_cache
             return engine
 
         key = json.dumps(switches, sort_keys=True)

@@ -76,10 +76,8 @@ def create_app(engine: PCDEngine, settings: ServerSettings) -> FastAPI:
     )
     completions = CompletionEndpoints(engine, settings, batcher, metrics, calibrations)
     served = ServedSchema.of(load_schema(settings.schema), engine) if settings.schema else None
-    served_calibration = calibrations.match(engine.plan(served.schema)) if served else None
     classification = ClassificationEndpoint(
-        served, settings, completions.limits, batcher, metrics, served_calibration, calibrations,
-        completions.template,
+        served, settings, completions.limits, batcher, metrics, calibrations, completions.template,
     )  # fmt: skip
     tokens = TokenEndpoints(engine, settings.model_name, completions.limits)
     created = int(time.time())

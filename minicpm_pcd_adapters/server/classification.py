@@ -162,13 +162,11 @@ class ClassificationEndpoint:
         limits: RequestLimits,
         batcher: Batcher,
         metrics: ServerMetrics,
-        calibration: str | None,
         calibrations: Calibrations,
         template: ChatTemplate,
     ) -> None:
         self.served, self.settings, self.limits, self.batcher = served, settings, limits, batcher
-        self.metrics, self.calibration, self.calibrations = metrics, calibration, calibrations
-        self.template = template
+        self.metrics, self.calibrations, self.template = metrics, calibrations, template
 
     async def __call__(self, request: Request) -> Response:
         with observed(self.metrics) as seen:
@@ -182,7 +180,8 @@ class ClassificationEndpoint:
             calls = read_classification(
                 await json_body(request), self.served, self.settings.model_name, self.limits, self.template
             )
-            calls = [dataclasses.replace(c, calibration=self.calibration) for c in calls]
+            calibration = await self._calibration(calls[0])  # the calls share schema, system and switches
+            calls = [dataclasses.replace(c, calibration=calibration) for c in calls]
             timeout = self.settings.request_timeout_s
             submitted = asyncio.gather(*(self.batcher.submit(c.batch_key(), c, timeout) for c in calls))
             answered = await while_connected(request, queued(submitted, timeout))
@@ -190,12 +189,21 @@ class ClassificationEndpoint:
             for index, result in enumerate(results):
                 if isinstance(result, PCDError):
                     raise engine_error(result, f"input.{index}")
-            used = self.calibrations.describe(self.calibration)
+            used = self.calibrations.describe(calls[0].calibration)
             body = classification_body(self.served, self.settings.model_name, calls, results, used)
             self.metrics.on_answers(self.served.schema, results)
             self.metrics.on_tokens(body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
             seen.status = 200
             return JSONResponse(body)
+
+    async def _calibration(self, call: ClassifyCall) -> str | None:
+        """The served calibration fitted for the call's plan (its system text, as chat matches them);
+        none for a call with other template switches, since calibrations are fitted on the served
+        rendering."""
+        if call.switches:
+            return None
+        plan = await asyncio.to_thread(self.calibrations.engine.plan, call.schema, instructions=call.system)
+        return self.calibrations.match(plan)
 
 
 def _label(value: Any) -> str:

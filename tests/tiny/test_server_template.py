@@ -39,9 +39,18 @@ def engine(tiny_model, tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(engine, tmp_path_factory):
-    route = tmp_path_factory.mktemp("route") / "route.json"
-    route.write_text(json.dumps(ROUTE))
-    with served(create_app(engine, ServerSettings(model_name="tiny", schema=str(route)))) as base:
+    folder = tmp_path_factory.mktemp("route")
+    (folder / "schema.json").write_text(json.dumps(ROUTE))
+    texts = [f"{t} #{i}" for i, t in enumerate(["refund me", "the app crashes", "hello there"] * 3)]
+    labels = [{"topic": t, "urgent": u} for t, u in [("billing", True), ("bug", True), ("other", False)] * 3]
+    fitted = engine.calibrate(
+        ROUTE, texts, labels, method="temperature", folds=2, instructions=ASKED[0]["content"]
+    )
+    fitted.save(folder / "route.json")  # for requests with ASKED's system text, rendered as served
+    settings = ServerSettings(
+        model_name="tiny", schema=str(folder / "schema.json"), calibrations=(str(folder / "route.json"),)
+    )
+    with served(create_app(engine, settings)) as base:
         yield base
 
 
@@ -74,6 +83,20 @@ def test_a_sibling_renders_with_the_switches_and_shares_the_model_and_prefix_cac
         engine.rendered_with({"add_generation_prompt": False})
 
 
+def test_a_sibling_of_a_bf16_engine_shares_its_fp32_reference_and_check(engine, tiny_model):
+    import copy
+
+    import torch
+
+    lower = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    mixed = PCDEngine(lower, engine.tokenizer, reference_model=tiny_model, chat_template_kwargs=OFF)
+    on = mixed.rendered_with(ON)
+    assert on.model is lower and on.precision_check is mixed.precision_check is not None
+    assert on.rescorer is not None and mixed.rescorer is not None
+    assert on.rescorer.runner.model is tiny_model
+    assert on.rescorer.scorer.prefix_cache is mixed.rescorer.scorer.prefix_cache
+
+
 def test_siblings_are_bounded(engine):
     for effort in range(MAX_RENDERINGS + 3):
         engine.rendered_with({"enable_thinking": effort})  # numbers are switches too
@@ -93,11 +116,17 @@ def test_chat_template_kwargs_are_honoured_at_every_door(url, engine):
     want = probabilities(on.classify(_conversation(), ROUTE))
     fields = answered["choices"][0]["pcd"]["fields"]
     assert flat({p: f["probabilities"] for p, f in fields.items()}) == pytest.approx(flat(want), abs=1e-4)
-    served_off = post(url, "/v1/chat/completions", chat).json()["usage"]["prompt_tokens"]
-    assert served_off != answered["usage"]["prompt_tokens"]
+    served_off = post(url, "/v1/chat/completions", chat).json()
+    assert served_off["usage"]["prompt_tokens"] != answered["usage"]["prompt_tokens"]
+    # the served calibration was fitted with thinking off: a request that turns it on goes without
+    assert served_off["choices"][0]["pcd"]["calibration"]["name"] == "route"
+    assert answered["choices"][0]["pcd"]["calibration"] is None
 
     classified = post(url, "/classify", {"messages": ASKED, "chat_template_kwargs": ON}).json()["data"]
-    assert len(classified) == 1
+    assert len(classified) == 1 and classified[0]["pcd"]["calibration"] is None
+    assert (
+        post(url, "/classify", {"messages": ASKED}).json()["data"][0]["pcd"]["calibration"]["name"] == "route"
+    )
     assert classified[0]["probs"] == pytest.approx([want["topic"][v] for v in ("billing", "bug", "other")])
 
     plain = {"messages": ASKED, "max_tokens": 4}
