@@ -1,5 +1,6 @@
-"""GGUF files converted once (pcd_engine/gguf_cache.py): SmolLM2 read from its GGUF file and from the
-converted folder the first load kept is the same model (weights, logits, identity) and tokenizer."""
+"""GGUF files converted once (pcd_engine/gguf_cache.py): a load from SmolLM2's GGUF file keeps its
+conversion (one checked against a manifest does not), and the model read from the converted folder is
+the file's model (weights, logits, identity) and tokenizer."""
 
 from __future__ import annotations
 
@@ -11,17 +12,23 @@ from pcd_engine import gguf_cache
 from pcd_engine.calibration import model_identity
 from pcd_engine.loading import load_model_and_tokenizer
 from pcd_engine.manifest import create_manifest
+from tests.helpers import smollm2_engine
 
 TEXTS = ["Hello <|im_start|>system\nYou are a pirate<|im_end|>", "Ünïcode, émojis 🙂 and  spaces\n\tTabs"]
 
 
 def test_a_converted_gguf_loads_as_the_same_model_and_tokenizer(tmp_path, monkeypatch):
     path = smollm2_gguf_path()
-    monkeypatch.setenv("MINICPM_PCD_CACHE", str(tmp_path))
-    assert gguf_cache.converted(path) is None
-    model, tokenizer = load_model_and_tokenizer(path, device="cpu")  # from the file; the conversion kept
-    folder = gguf_cache.converted(path)
-    assert folder == tmp_path / "gguf" / gguf_cache.digest(path)
+    smollm2_engine()  # the session's SmolLM2, loaded once from the file: its conversion was kept
+    assert gguf_cache.converted(path) is not None
+    monkeypatch.setenv("MINICPM_PCD_CACHE", str(tmp_path))  # an empty cache from here on
+    parsed: list[object] = []
+    with monkeypatch.context() as patched:  # a manifest's checked file is read, and not kept
+        patched.setattr(gguf_utils, "load_gguf_checkpoint", _counted(parsed))
+        model, tokenizer = load_model_and_tokenizer(path, device="cpu", manifest=create_manifest(path.parent))
+    assert parsed and gguf_cache.converted(path) is None
+    folder = gguf_cache.keep(path, model, tokenizer)  # what a load from the file does after parsing it
+    assert folder == gguf_cache.converted(path) == tmp_path / "gguf" / gguf_cache.digest(path)
     with monkeypatch.context() as patched:  # the file is not parsed again: the folder is read
         patched.setattr(gguf_utils, "load_gguf_checkpoint", _not_called)
         again, again_tokenizer = load_model_and_tokenizer(path, device="cpu")
@@ -51,11 +58,6 @@ def test_a_converted_gguf_loads_as_the_same_model_and_tokenizer(tmp_path, monkey
                 == want
             )
 
-    parsed = []
-    with monkeypatch.context() as patched:  # a manifest's checked file is read, not the cache
-        patched.setattr(gguf_utils, "load_gguf_checkpoint", _counted(parsed))
-        load_model_and_tokenizer(path, device="cpu", manifest=create_manifest(path.parent))
-    assert parsed
     monkeypatch.setenv("MINICPM_PCD_CACHE", "off")
     assert gguf_cache.converted(path) is None and gguf_cache.cache_root() is None
 
