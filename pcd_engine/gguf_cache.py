@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,16 @@ def cache_root() -> Path | None:
 
 
 def digest(path: Path) -> str:
-    """The file's SHA-256, read a megabyte at a time."""
+    """The file's SHA-256, read a megabyte at a time; once per file version (path, size, mtime), so
+    a load that looks the folder up and then keeps it reads the file once."""
+    stat = path.stat()
+    return _digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
     sha = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open(path, "rb") as handle:
         while chunk := handle.read(2**20):
             sha.update(chunk)
     return sha.hexdigest()

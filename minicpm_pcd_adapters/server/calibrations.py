@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from minicpm_pcd_adapters.server.protocol import (
     CalibrationCard,
@@ -38,8 +39,12 @@ class Calibrations:
                 )
             self.by_name[name] = calibration
 
-    def match(self, plan: SchemaPlan) -> str | None:
-        """The name of the first calibration fitted for this plan (schema, prompt and rules)."""
+    def match(self, plan: SchemaPlan, switches: Sequence[Any] = ()) -> str | None:
+        """The name of the first calibration fitted for this plan (schema, prompt and rules); none
+        for a request with template `switches` of its own, since calibrations are fitted on prompts
+        rendered with the served ones."""
+        if switches:
+            return None
         for name, calibration in self.by_name.items():
             try:
                 calibration.check(plan, self.engine.model_identity)

@@ -197,13 +197,10 @@ class ClassificationEndpoint:
             return JSONResponse(body)
 
     async def _calibration(self, call: ClassifyCall) -> str | None:
-        """The served calibration fitted for the call's plan (its system text, as chat matches them);
-        none for a call with other template switches, since calibrations are fitted on the served
-        rendering."""
-        if call.switches:
-            return None
+        """The served calibration fitted for the call's plan (its system text and switches), as chat
+        matches them."""
         plan = await asyncio.to_thread(self.calibrations.engine.plan, call.schema, instructions=call.system)
-        return self.calibrations.match(plan)
+        return self.calibrations.match(plan, call.switches)
 
 
 def _label(value: Any) -> str:

@@ -170,9 +170,7 @@ class CompletionEndpoints:
             )
         except PCDError as error:
             raise APIError(400, str(error), param=call.schema_param, code="unsupported_schema") from None
-        # calibrations are fitted on the served rendering: a request with other switches gets none
-        matched = self.calibrations.match(plan) if not call.switches else None
-        call = dataclasses.replace(call, calibration=matched)
+        call = dataclasses.replace(call, calibration=self.calibrations.match(plan, call.switches))
         submitted = self.batcher.submit(call.batch_key(), call, self.settings.request_timeout_s)
         results = await while_connected(request, self._queued(submitted))
         for result in results:
