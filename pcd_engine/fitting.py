@@ -53,6 +53,7 @@ from pcd_engine.calibration import (
     plan_rules,
 )
 from pcd_engine.errors import CalibrationError
+from pcd_engine.heads import head_ready, not_ready
 from pcd_engine.hidden import BLOCKS, HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.results import FieldResult, json_key
@@ -61,7 +62,6 @@ from pcd_engine.schema import CompiledSchema, JSONScalar
 METHODS = ("none", "temperature", "batch", "bias", "head")  # simplest first: ties go to the earlier
 LOG_LOSS_TIE = 0.002  # cross-validated log-losses closer than this (nats) count as equal
 SKEW_WARNING = 0.25  # total variation between label shares and the model's estimate that warns
-HEAD_MIN_LABELS = 2  # see head_ready
 TEMPERATURE_FOLDS = 20  # a head's temperature is fitted on out-of-fold logits over this many folds
 
 
@@ -82,7 +82,10 @@ def fit_labeled(
         return fit_batch(values, z)
     if method == "temperature":
         return FieldCalibration("temperature", values, optimisers.fit_temperature(z, labels))
-    fitted = optimisers.fit_linear(z, labels, optimisers.batch_prior(z))
+    return _bias_map(values, optimisers.fit_linear(z, labels, optimisers.batch_prior(z)))
+
+
+def _bias_map(values: tuple[str, ...], fitted: optimisers.Linear) -> FieldCalibration:
     return FieldCalibration("bias", values, 1.0 / fitted.scale, tuple(fitted.bias.tolist()))
 
 
@@ -99,12 +102,18 @@ def folds_of(n: int, folds: int, seed: int = 0) -> list[int]:
 def out_of_fold(
     method: str, values: tuple[str, ...], z: torch.Tensor, labels: torch.Tensor, fold: Sequence[int]
 ) -> torch.Tensor:
-    """Each row's calibrated probabilities from a map fitted on the other folds only."""
+    """Each row's calibrated probabilities from a map fitted on the other folds only (the bias
+    maps of every fold in one `fit_linears` batch)."""
     out = torch.empty_like(z, dtype=torch.float64)
     tags = torch.tensor(fold)
-    for k in sorted(set(fold)):
-        train, test = tags != k, tags == k
-        fitted = fit_labeled(method, values, z[train], labels[train])
+    parts = [(tags != k, tags == k) for k in sorted(set(fold))]
+    if method == "bias":
+        z = z.double()
+        linear = [optimisers.LinearProblem(z[t], labels[t], optimisers.batch_prior(z[t])) for t, _ in parts]
+        maps = [_bias_map(values, fitted) for fitted in optimisers.fit_linears(linear)]
+    else:
+        maps = [fit_labeled(method, values, z[train], labels[train]) for train, _ in parts]
+    for (_, test), fitted in zip(parts, maps, strict=True):
         out[test] = torch.softmax(fitted.logits(z[test]), dim=1)
     return out
 
@@ -212,13 +221,19 @@ def fit(
     data = collect(plan, per_text, labels, hidden)
     fitted: dict[str, FieldMap] = {}
     reports, held = {}, {}
+    tasks = {
+        p: t
+        for p, d in data.items()
+        if labels is not None and method in ("auto", "head") and (t := head_task(d, folds, seed))
+    }
+    head_fits = dict(zip(tasks, heads.fit_heads(list(tasks.values())), strict=True))  # fields together
     for path, d in data.items():
         if progress is not None:
             progress(path)
         if labels is None:
             fitted[path], reports[path] = _fit_unlabeled(d, "batch" if method == "auto" else method)
             continue
-        fitted[path], reports[path], out = fit_field(d, method, folds, seed)
+        fitted[path], reports[path], out = fit_field(d, method, folds, seed, head_fits.get(path))
         if out is not None:
             held[path] = out
     answered = sum(f is not None for f in per_text)
@@ -250,9 +265,24 @@ def _fit_unlabeled(d: FieldData, method: str) -> tuple[FieldCalibration, dict[st
     }
 
 
+def head_task(d: FieldData, folds: int, seed: int) -> heads.HeadTask | None:
+    """The field's labeled rows for `heads.fit_heads` (None: no head can be fitted, `head_ready`)."""
+    keep = [i for i, y in enumerate(d.labels) if y is not None]
+    labels = [y for y in d.labels if y is not None]
+    if len(keep) < 2 or not d.features or not head_ready(labels, len(d.values)):
+        return None
+    z = torch.tensor([d.rows[i] for i in keep], dtype=torch.float64)
+    features = {b: torch.stack([rows[i] for i in keep]).double() for b, rows in d.features.items()}
+    fold = folds_of(len(keep), min(folds, len(keep)), seed)
+    fine = folds_of(len(keep), min(TEMPERATURE_FOLDS, len(keep)), seed)
+    return heads.HeadTask(d.values, d.tree, z, features, torch.tensor(labels), fold, fine)
+
+
 def fit_field(
-    d: FieldData, method: str, folds: int, seed: int
+    d: FieldData, method: str, folds: int, seed: int, head_fit: heads.HeadFit | None = None
 ) -> tuple[FieldMap, dict[str, Any], HeldOut | None]:
+    """One field's calibration, report and held-out figures; `head_fit`: its head, fitted already
+    (`fit` fits every field's head together), or None to fit it here where one is tried."""
     keep = [i for i, y in enumerate(d.labels) if y is not None]
     if len(keep) < 2:
         none = FieldCalibration("none", d.values)
@@ -260,21 +290,20 @@ def fit_field(
     z = torch.tensor([d.rows[i] for i in keep], dtype=torch.float64)
     y = torch.tensor([d.labels[i] for i in keep])
     fold = folds_of(len(keep), min(folds, len(keep)), seed)
-    features = {b: torch.stack([rows[i] for i in keep]).double() for b, rows in d.features.items()}
-    ready = head_ready(y.tolist(), len(d.values)) and bool(features)
+    task = head_task(d, folds, seed)
+    ready = task is not None
     fallback = method == "head" and not ready  # this field chooses as "auto" does, without a head
     tried = [m for m in METHODS if m != "head" or ready] if method == "auto" or fallback else [method]
     held_out = {m: out_of_fold(m, d.values, z, y, fold) for m in tried if m != "head"}
-    head_fit = None
     if "head" in tried:
-        fine = folds_of(len(keep), min(TEMPERATURE_FOLDS, len(keep)), seed)
-        head_fit = heads.fit_head(d.values, z, features, y, fold, d.tree, fine)
+        assert task is not None
+        head_fit = head_fit or heads.fit_heads([task])[0]
         held_out["head"] = head_fit.compared  # methods are compared over the same folds
     truth = y.tolist()
     scores = {m: metrics.field_report(p.tolist(), truth) for m, p in held_out.items()}
     chosen, reason = choose(scores) if method == "auto" or fallback else (method, "asked for")
     if fallback:
-        reason = f"no head: {_not_ready(d.values, truth)}; then {reason}"
+        reason = f"no head: {not_ready(d.values, truth)}; then {reason}"
     chosen_out = head_fit.out_of_fold if chosen == "head" and head_fit is not None else held_out[chosen]
     confidence, after = confidence_step(chosen_out, y, fold)
     raw_probs = torch.softmax(z, dim=1)
@@ -294,7 +323,7 @@ def fit_field(
         "model_shares": dict(zip(d.values, raw_probs.mean(dim=0).tolist(), strict=True)),
     }
     if not ready:
-        report["head"] = f"not tried: {_not_ready(d.values, truth)}"
+        report["head"] = f"not tried: {not_ready(d.values, truth)}"
     if head_fit is not None:
         report["head_configs"] = head_fit.tried
         report["head_block"], report["head_l2"] = head_fit.head.block, head_fit.head.l2
@@ -337,23 +366,6 @@ def sharpened(fitted: FieldCalibration, temperature: float) -> FieldCalibration:
     bias = tuple(b / temperature for b in fitted.bias)
     method = "temperature" if fitted.method == "none" else fitted.method
     return FieldCalibration(method, fitted.values, fitted.temperature * temperature, bias)
-
-
-def head_ready(labels: Sequence[int], values: int) -> bool:
-    """Whether a head can be fitted: 2 values or more labeled HEAD_MIN_LABELS times or more, and
-    those values hold at least half of the labels (a value labeled once or never is answered
-    through the rule's scores and its bias; a 77-value field needs no 154 labels)."""
-    counts = Counter(labels)
-    often = [c for c in counts.values() if c >= HEAD_MIN_LABELS]
-    return len(often) >= 2 and 2 * sum(often) >= len(labels)
-
-
-def _not_ready(values: tuple[str, ...], labels: Sequence[int]) -> str:
-    counts = dict(Counter(values[i] for i in labels))
-    return (
-        f"a head needs 2 values labeled {HEAD_MIN_LABELS} times or more, holding half of the labels "
-        f"({counts})"
-    )
 
 
 def choose(scores: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:

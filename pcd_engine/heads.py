@@ -8,20 +8,23 @@ useful from zero labels); `x` is one block of hidden states from the same forwar
 With W = 0 the head is the `bias` calibration map; the L2 penalty on W pulls it there, and the bias
 is pulled toward the label-free (batch) estimate, more strongly for a value with few labels.
 
-`fit_head` chooses the block and the L2 strength by cross-validated log-loss over the folds, then
-fits a temperature on the chosen configuration's out-of-fold logits over finer folds (heads fitted
-on nearly every row, as the final head is: a temperature fitted on heads that saw 4/5 of the rows
-left the final head underconfident); each row's reported probabilities come from a head fitted
-without that row.
+`fit_heads` chooses, per field, the block and the L2 strength by cross-validated log-loss over the
+folds (an `L2Path`), then fits a temperature on the chosen configuration's out-of-fold logits over
+finer folds (heads fitted on nearly every row, as the final head is: a temperature fitted on heads
+that saw 4/5 of the rows left the final head underconfident); each row's reported probabilities
+come from a head fitted without that row. Every fit of one strength, over the blocks, the folds
+and the fields, is one batch of `optimisers.fit_linears` (`run_paths`): a head's cost is a few
+dozen batched steps per strength, not hundreds of small fits one after another.
 
-    >>> head, oof = fit_head(values, z, features, labels, fold)  # doctest: +SKIP
-    >>> head.probabilities(z_row, {"fork": fork_state})  # doctest: +SKIP
+    >>> fitted = fit_head(values, z, features, labels, fold, tree)  # doctest: +SKIP
+    >>> fitted.head.apply(field_result, hidden_states)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +32,18 @@ from typing import Any
 import torch
 
 from pcd_engine.hidden import BLOCKS, HiddenStates
-from pcd_engine.optimisers import Linear, batch_prior, fit_linear, fit_temperature, standardiser
+from pcd_engine.optimisers import (
+    Linear,
+    LinearProblem,
+    batch_prior,
+    fit_linear,
+    fit_linears,
+    fit_temperature,
+    standardiser,
+)
 from pcd_engine.results import FieldResult
 
+HEAD_MIN_LABELS = 2  # see head_ready
 L2_GRID = (1.0, 0.1, 0.01, 0.001)  # penalty on W (mean cross-entropy + l2 * sum(W**2)), tried in turn
 
 
@@ -137,25 +149,24 @@ def with_probabilities(result: FieldResult, probs: Sequence[float], method: str)
 
 @dataclass(frozen=True)
 class Basis:
-    """The standardised features of a head's fitting rows, in an orthonormal basis of their span. A
-    head's loss sees W only through `W @ x` of those rows and its L2 penalty is on every weight, so
-    the fitted W lies in their span: fitted in this basis (at most one weight per row and value
-    instead of one per hidden dimension, 576 for SmolLM2, 2304 for MiniCPM5-2B), it is the same head."""
+    """The standardised features of a head's fitting rows, in an orthonormal basis holding their
+    span. A head's loss sees W only through `W @ x` of those rows and its L2 penalty is on every
+    weight, so the fitted W lies in their span: fitted in this basis (at most one weight per row
+    and value instead of one per hidden dimension, 576 for SmolLM2, 2304 for MiniCPM5-2B), it is
+    the same head. `rows` are the fitting rows in it."""
 
     mean: torch.Tensor  # (D,)
     std: torch.Tensor  # (D,)
-    directions: torch.Tensor  # (D, r) orthonormal columns, r <= rows
+    directions: torch.Tensor  # (D, r) orthonormal columns, r <= min(rows, D)
+    rows: torch.Tensor  # (rows, r)
 
     @classmethod
     def of(cls, x: torch.Tensor) -> Basis:
         x = x.double()
         mean, std = standardiser(x)
-        xs = (x - mean) / std
-        # the span from the rows' Gram matrix (rows x rows, not D x D): x = U S V^T, V = x^T U / S
-        eigenvalues, u = torch.linalg.eigh(xs @ xs.T)
-        kept = eigenvalues > eigenvalues.max().clamp_min(0) * 1e-10
-        directions = xs.T @ u[:, kept] / eigenvalues[kept].sqrt()
-        return cls(mean, std, directions)
+        # QR of the rows as columns: xs^T = Q R, so Q's columns hold every row and xs @ Q = R^T
+        directions, r = torch.linalg.qr(((x - mean) / std).T)
+        return cls(mean, std, directions, r.T)
 
     def standardised(self, x: torch.Tensor) -> torch.Tensor:
         return (x.double() - self.mean) / self.std
@@ -194,44 +205,103 @@ def fit_config(
 ) -> FieldHead:
     """One head on these rows (temperature 1)."""
     basis = Basis.of(x)
-    return basis.head(values, block, tree, basis.fit(z, basis.project(x), labels, l2), l2)
+    return basis.head(values, block, tree, basis.fit(z, basis.rows, labels, l2), l2)
 
 
-def out_of_fold_logits(
-    z: torch.Tensor,
-    x: torch.Tensor,
-    labels: torch.Tensor,
-    fold: Sequence[int],
-    grid: Sequence[float],
-    start: Linear | None = None,
-    stop_rising: bool = False,
-) -> dict[float, torch.Tensor]:
-    """Per L2 strength of `grid`, each row's logits from a head fitted on the other folds only. The
-    strengths go from the strongest penalty down, each fold's fit starting where its last one
-    stopped (the first from `start`, a fit on every row, if given). With `stop_rising`,
-    the path ends at the first strength whose cross-validated log-loss is above the one before it."""
-    tags = torch.tensor(fold)
-    parts = [(tags != k, tags == k, Basis.of(x[tags != k])) for k in sorted(set(fold))]
-    rows = [basis.project(x[train]) for train, _, basis in parts]
-    whole = Basis.of(x) if start is None else None
-    x_whole = whole.project(x) if whole is not None else None
-    out: dict[float, torch.Tensor] = {}
-    last = math.inf
-    for l2 in sorted(grid, reverse=True):
-        if whole is not None and x_whole is not None:  # the fit on every row: each fold starts there
-            start = whole.fit(z, x_whole, labels, l2, start)
-        logits = torch.empty_like(z, dtype=torch.float64)
-        for (train, test, basis), x_train in zip(parts, rows, strict=True):
-            fitted = basis.fit(z[train], x_train, labels[train], l2, start)
-            assert fitted.weight is not None
-            x_test = basis.standardised(x[test])
-            logits[test] = z[test].double() * fitted.scale + fitted.bias + x_test @ fitted.weight.T
-        out[l2] = logits
-        loss = float(torch.nn.functional.cross_entropy(logits, labels))
-        if stop_rising and loss > last:
-            break
-        last = loss
-    return out
+class L2Path:
+    """One field's L2 path: per feature block and L2 strength of `grid`, each row's logits from a
+    head fitted on the other folds only (`logits`), and the head fitted on every row (`every`, its
+    weights over the standardised features of `bases[block]`, the basis of every row), keyed by
+    (block, strength) in the order tried per block. The strengths go from the strongest penalty
+    down, each fit starting where its own fit at the strength before stopped (the first from
+    `start`, a fit on every row, if given). With `stop_rising`, a block's path ends at the first
+    strength whose cross-validated log-loss is above the one before it. `run_paths` fits it."""
+
+    def __init__(
+        self,
+        z: torch.Tensor,
+        features: Mapping[str, torch.Tensor],
+        labels: torch.Tensor,
+        fold: Sequence[int],
+        grid: Sequence[float],
+        start: Linear | None = None,
+        stop_rising: bool = False,
+    ) -> None:
+        self.z, self.features, self.labels, self.stop_rising = z, features, labels, stop_rising
+        tags = torch.tensor(fold)
+        self.tests = [tags == k for k in sorted(set(fold))]
+        self.subsets = [torch.ones_like(tags, dtype=torch.bool)] + [~t for t in self.tests]
+        self.bases = {block: Basis.of(x) for block, x in features.items()}
+        self.parts = {block: [Basis.of(x[~test]) for test in self.tests] for block, x in features.items()}
+        self.rows = {block: [b.rows for b in self.bases_of(block)] for block in features}  # all, complements
+        self.warm: dict[str, Sequence[Linear | None]] = {
+            block: [basis.start(start) if start else None for basis in self.bases_of(block)]
+            for block in features
+        }
+        self.strengths = sorted(grid, reverse=True)
+        self.live, self.last = list(features), dict.fromkeys(features, math.inf)
+        self.logits: dict[tuple[str, float], torch.Tensor] = {}
+        self.every: dict[tuple[str, float], Linear] = {}
+
+    def bases_of(self, block: str) -> list[Basis]:
+        return [self.bases[block], *self.parts[block]]
+
+    def problems(self, step: int) -> list[LinearProblem]:
+        """The fits of the `step`-th strength: per live block, on every row and on each complement."""
+        if step >= len(self.strengths):
+            return []
+        z, labels, l2 = self.z, self.labels, self.strengths[step]
+        return [
+            LinearProblem(z[rows], labels[rows], batch_prior(z[rows]), x, l2, self.warm[block][i])
+            for block in self.live
+            for i, (rows, x) in enumerate(zip(self.subsets, self.rows[block], strict=True))
+        ]
+
+    def take(self, step: int, fitted: Sequence[Linear]) -> None:
+        """Record the `step`-th strength's fits (in `problems`' order)."""
+        l2, answers = self.strengths[step], iter(fitted)
+        for block in list(self.live):
+            every, *folds = fits = [next(answers) for _ in self.subsets]
+            self.warm[block] = fits
+            assert every.weight is not None
+            self.every[block, l2] = dataclasses.replace(
+                every, weight=every.weight @ self.bases[block].directions.T
+            )
+            logits = torch.empty_like(self.z, dtype=torch.float64)
+            for test, basis, f in zip(self.tests, self.parts[block], folds, strict=True):
+                assert f.weight is not None
+                x_test = basis.project(self.features[block][test])
+                logits[test] = self.z[test].double() * f.scale + f.bias + x_test @ f.weight.T
+            self.logits[block, l2] = logits
+            loss = float(torch.nn.functional.cross_entropy(logits, self.labels))
+            if self.stop_rising and loss > self.last[block]:
+                self.live.remove(block)
+            self.last[block] = loss
+
+
+def run_paths(paths: Sequence[L2Path]) -> None:
+    """Fit several fields' paths in step: each strength's fits of every path are one `fit_linears`
+    call, so fields with the same number of values share their batched steps."""
+    for step in range(max((len(p.strengths) for p in paths), default=0)):
+        asked = [p.problems(step) for p in paths]
+        fitted = iter(fit_linears([q for problems in asked for q in problems]))
+        for path, problems in zip(paths, asked, strict=True):
+            if problems:
+                path.take(step, [next(fitted) for _ in problems])
+
+
+@dataclass(frozen=True)
+class HeadTask:
+    """One field's rows for `fit_heads`: its values, tree, log-scores (n, K), features per block,
+    labels, folds, and the finer folds its temperature is fitted over (None: `fold`)."""
+
+    values: tuple[str, ...]
+    tree: int
+    z: torch.Tensor
+    features: Mapping[str, torch.Tensor]
+    labels: torch.Tensor
+    fold: Sequence[int]
+    temperature_fold: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -251,28 +321,61 @@ def fit_head(
     tree: int,
     temperature_fold: Sequence[int] | None = None,
 ) -> HeadFit:
-    """Choose the feature block and L2 strength by out-of-fold log-loss over `fold`, fit a
-    temperature on the chosen configuration's out-of-fold logits over `temperature_fold` (finer
-    folds, default `fold`: heads fitted on nearly every row, as the final head is), and refit the
-    head on every row."""
-    tried: dict[str, float] = {}
-    best: tuple[float, str, float, torch.Tensor] | None = None
-    features = {block: x.double() for block, x in features.items()}
-    for block, x in features.items():
-        for l2, logits in out_of_fold_logits(z, x, labels, fold, L2_GRID, stop_rising=True).items():
-            loss = float(torch.nn.functional.cross_entropy(logits, labels))
-            tried[f"{block}/{l2:g}"] = loss
-            if best is None or loss < best[0]:
-                best = (loss, block, l2, logits)
-    assert best is not None, "fit_head needs at least one feature block"
-    _, block, l2, logits = best
-    temperature = fit_temperature(logits, labels)
-    compared = torch.softmax(logits / temperature, dim=1)
-    basis = Basis.of(features[block])
-    every = basis.fit(z, basis.project(features[block]), labels, l2)
-    head = basis.head(values, block, tree, every, l2)
-    if temperature_fold is not None and list(temperature_fold) != list(fold):
-        logits = out_of_fold_logits(z, features[block], labels, temperature_fold, (l2,), every)[l2]
-        temperature = fit_temperature(logits, labels)
-    head = dataclasses.replace(head, temperature=temperature)
-    return HeadFit(head, torch.softmax(logits / temperature, dim=1), tried, compared)
+    """`fit_heads` for one field."""
+    return fit_heads([HeadTask(values, tree, z, features, labels, fold, temperature_fold)])[0]
+
+
+def fit_heads(tasks: Sequence[HeadTask]) -> list[HeadFit]:
+    """Per field: choose the feature block and L2 strength by out-of-fold log-loss over `fold`, fit
+    a temperature on the chosen configuration's out-of-fold logits over `temperature_fold` (finer
+    folds: heads fitted on nearly every row, as the final head is); the head is the chosen
+    configuration's fit on every row. The fields' paths are fitted together (`run_paths`)."""
+    if any(not t.features for t in tasks):
+        raise ValueError("fit_heads needs at least one feature block per field")
+    features = [{block: x.double() for block, x in t.features.items()} for t in tasks]
+    coarse = [
+        L2Path(t.z, f, t.labels, t.fold, L2_GRID, stop_rising=True)
+        for t, f in zip(tasks, features, strict=True)
+    ]
+    run_paths(coarse)
+    chosen, fine = [], {}
+    for i, (task, path) in enumerate(zip(tasks, coarse, strict=True)):
+        losses = {
+            key: float(torch.nn.functional.cross_entropy(p, task.labels)) for key, p in path.logits.items()
+        }
+        order = sorted(losses, key=lambda key: list(features[i]).index(key[0]))  # blocks in turn
+        block, l2 = min(order, key=losses.__getitem__)  # ties: the first block, the strongest L2
+        chosen.append((block, l2, {f"{b}/{strength:g}": losses[b, strength] for b, strength in order}))
+        if task.temperature_fold is not None and list(task.temperature_fold) != list(task.fold):
+            x = {block: features[i][block]}
+            fine[i] = L2Path(task.z, x, task.labels, task.temperature_fold, (l2,), path.every[block, l2])
+    run_paths(list(fine.values()))
+    out = []
+    for i, (task, path, (block, l2, tried)) in enumerate(zip(tasks, coarse, chosen, strict=True)):
+        logits = path.logits[block, l2]
+        temperature = fit_temperature(logits, task.labels)
+        compared = torch.softmax(logits / temperature, dim=1)
+        head = path.bases[block].head(task.values, block, task.tree, path.every[block, l2], l2)
+        if i in fine:
+            logits = fine[i].logits[block, l2]
+            temperature = fit_temperature(logits, task.labels)
+        head = dataclasses.replace(head, temperature=temperature)
+        out.append(HeadFit(head, torch.softmax(logits / temperature, dim=1), tried, compared))
+    return out
+
+
+def head_ready(labels: Sequence[int], values: int) -> bool:
+    """Whether a head can be fitted: 2 values or more labeled HEAD_MIN_LABELS times or more, and
+    those values hold at least half of the labels (a value labeled once or never is answered
+    through the rule's scores and its bias; a 77-value field needs no 154 labels)."""
+    counts = Counter(labels)
+    often = [c for c in counts.values() if c >= HEAD_MIN_LABELS]
+    return len(often) >= 2 and 2 * sum(often) >= len(labels)
+
+
+def not_ready(values: tuple[str, ...], labels: Sequence[int]) -> str:
+    counts = dict(Counter(values[i] for i in labels))
+    return (
+        f"a head needs 2 values labeled {HEAD_MIN_LABELS} times or more, holding half of the labels "
+        f"({counts})"
+    )

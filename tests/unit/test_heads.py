@@ -3,6 +3,8 @@ optimisers.py): the `auto` guard, the method choice and the head's math on synth
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,11 +17,26 @@ from pcd_engine.fitting import (
     confidence_step,
     fit_field,
     folds_of,
-    head_ready,
     sharpened,
 )
-from pcd_engine.heads import L2_GRID, Basis, fit_config, fit_head, out_of_fold_logits
+from pcd_engine.heads import (
+    L2_GRID,
+    Basis,
+    HeadTask,
+    L2Path,
+    fit_config,
+    fit_head,
+    fit_heads,
+    head_ready,
+    run_paths,
+)
 from pcd_engine.optimisers import fit_temperature
+
+
+def l2_path(*args: Any, **kwargs: Any) -> L2Path:
+    path = L2Path(*args, **kwargs)
+    run_paths([path])
+    return path
 
 
 def skewed_case() -> FieldData:
@@ -101,7 +118,7 @@ def test_out_of_fold_never_scores_a_row_on_a_head_fitted_with_it():
     labels = torch.randint(0, 2, (40,), generator=generator)
     z = torch.zeros(40, 2, dtype=torch.float64)
     fold = folds_of(40, 5)
-    oof = out_of_fold_logits(z, x, labels, fold, (1e-4,))[1e-4]
+    oof = l2_path(z, {"fork": x}, labels, fold, (1e-4,)).logits["fork", 1e-4]
     memorised = fit_config(("a", "b"), z, x, labels, "fork", 0, 1e-4).logits(z, x)
     assert (memorised.argmax(dim=1) == labels).double().mean() == 1.0
     assert (oof.argmax(dim=1) == labels).double().mean() < 0.75
@@ -114,14 +131,34 @@ def test_the_head_s_temperature_comes_from_finer_folds_and_methods_are_compared_
     values, coarse, fine = ("a", "b", "c"), folds_of(60, 5), folds_of(60, 20)
     fitted = fit_head(values, z, {"fork": x}, labels, coarse, 0, fine)
     l2 = fitted.head.l2
-    basis = Basis.of(x)  # each fine fold's fit starts from the fit on every row
-    every = basis.fit(z, basis.project(x), labels, l2)
-    logits = out_of_fold_logits(z, x, labels, fine, (l2,), every)[l2]
+    coarse_path = l2_path(z, {"fork": x}, labels, coarse, L2_GRID, stop_rising=True)
+    every = coarse_path.every["fork", l2]  # the head is the chosen strength's fit on every row
+    assert every.weight is not None and torch.allclose(fitted.head.weight, every.weight)
+    logits = l2_path(z, {"fork": x}, labels, fine, (l2,), every).logits["fork", l2]  # fine folds start there
     assert fitted.head.temperature == pytest.approx(fit_temperature(logits, labels))
     assert torch.allclose(fitted.out_of_fold, torch.softmax(logits / fitted.head.temperature, dim=1))
-    logits = out_of_fold_logits(z, x, labels, coarse, L2_GRID, stop_rising=True)[l2]
+    logits = coarse_path.logits["fork", l2]
     assert torch.allclose(fitted.compared, torch.softmax(logits / fit_temperature(logits, labels), dim=1))
     assert not torch.allclose(fitted.out_of_fold, fitted.compared)
+
+
+def test_fields_fitted_together_get_the_heads_each_gets_alone():
+    generator = torch.Generator().manual_seed(6)
+    tasks = []
+    for n, k, dims, seed in ((60, 3, 8, 1), (45, 3, 5, 2), (60, 2, 8, 3)):  # two share a batch
+        labels = torch.arange(n) % k
+        x = torch.randn(n, dims, generator=generator, dtype=torch.float64)
+        x[:, seed % dims] += labels.double() * 2
+        z = torch.randn(n, k, generator=generator, dtype=torch.float64)
+        features = {"fork": x, "text_last": torch.randn(n, dims, generator=generator, dtype=torch.float64)}
+        tasks.append(HeadTask(tuple("abc"[:k]), 0, z, features, labels, folds_of(n, 5), folds_of(n, 20)))
+    together = fit_heads(tasks)
+    for task, joint in zip(tasks, together, strict=True):
+        alone = fit_heads([task])[0]
+        assert (joint.head.block, joint.head.l2) == (alone.head.block, alone.head.l2)
+        assert joint.tried == pytest.approx(alone.tried, abs=1e-6)
+        assert torch.allclose(joint.out_of_fold, alone.out_of_fold, atol=1e-6)
+        assert joint.head.temperature == pytest.approx(alone.head.temperature, abs=1e-6)
 
 
 def test_the_confidence_step_fixes_underconfident_answers_and_changes_none():
@@ -181,8 +218,11 @@ def test_a_head_fitted_in_its_rows_span_is_the_head_fitted_on_every_hidden_dimen
     x[:, 0] += labels.double()
     z = torch.randn(40, 3, generator=generator, dtype=torch.float64)
     basis = Basis.of(x)
-    assert basis.directions.shape == (100, 39)  # 40 centred rows span 39 dimensions
-    assert torch.allclose(basis.directions.T @ basis.directions, torch.eye(39, dtype=torch.float64))
+    assert basis.directions.shape == (100, 40)  # one weight per row and value, not per dimension
+    assert torch.allclose(basis.directions.T @ basis.directions, torch.eye(40, dtype=torch.float64))
+    standardised = basis.standardised(x)  # every fitting row lies in the basis's span ...
+    assert torch.allclose(standardised @ basis.directions @ basis.directions.T, standardised)
+    assert torch.allclose(basis.project(x), basis.rows)  # ... and `rows` are their coordinates
     head = fit_config(("a", "b", "c"), z, x, labels, "fork", 0, 0.01)
     mean, std = standardiser(x)
     full = fit_linear(z, labels, batch_prior(z), (x - mean) / std, 0.01)
