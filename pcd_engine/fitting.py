@@ -290,14 +290,15 @@ def fit_field(
     z = torch.tensor([d.rows[i] for i in keep], dtype=torch.float64)
     y = torch.tensor([d.labels[i] for i in keep])
     fold = folds_of(len(keep), min(folds, len(keep)), seed)
-    task = head_task(d, folds, seed)
-    ready = task is not None
+    task = head_task(d, folds, seed) if head_fit is None else None
+    ready = head_fit is not None or task is not None
     fallback = method == "head" and not ready  # this field chooses as "auto" does, without a head
     tried = [m for m in METHODS if m != "head" or ready] if method == "auto" or fallback else [method]
     held_out = {m: out_of_fold(m, d.values, z, y, fold) for m in tried if m != "head"}
     if "head" in tried:
-        assert task is not None
-        head_fit = head_fit or heads.fit_heads([task])[0]
+        if head_fit is None:
+            assert task is not None
+            head_fit = heads.fit_heads([task])[0]
         held_out["head"] = head_fit.compared  # methods are compared over the same folds
     truth = y.tolist()
     scores = {m: metrics.field_report(p.tolist(), truth) for m, p in held_out.items()}
