@@ -214,25 +214,24 @@ def fit(
     """A Calibration of every scored field from the texts' raw field results (None: a text that got
     no answer), when given their labels, and for "head" (or "auto" with heads) their hidden states.
     With labels, the report's figures are out-of-fold. `progress(path)` is called as each field's
-    fitting starts."""
+    fitting starts (every field's head is fitted, together, as the first one's starts)."""
     check_fit(method, labels is not None, folds)
     if method == "head" and hidden is None:
         raise CalibrationError("method 'head' needs the texts' hidden states (engine.calibrate keeps them)")
     data = collect(plan, per_text, labels, hidden)
     fitted: dict[str, FieldMap] = {}
     reports, held = {}, {}
-    tasks = {
-        p: t
-        for p, d in data.items()
-        if labels is not None and method in ("auto", "head") and (t := head_task(d, folds, seed))
-    }
-    head_fits = dict(zip(tasks, heads.fit_heads(list(tasks.values())), strict=True))  # fields together
+    head_fits: dict[str, heads.HeadFit] | None = None
     for path, d in data.items():
         if progress is not None:
             progress(path)
         if labels is None:
             fitted[path], reports[path] = _fit_unlabeled(d, "batch" if method == "auto" else method)
             continue
+        if head_fits is None:  # every field's head together, as the first field's fitting starts
+            wanted = method in ("auto", "head")
+            tasks = {p: t for p, f in data.items() if wanted and (t := head_task(f, folds, seed))}
+            head_fits = dict(zip(tasks, heads.fit_heads(list(tasks.values())), strict=True))
         fitted[path], reports[path], out = fit_field(d, method, folds, seed, head_fits.get(path))
         if out is not None:
             held[path] = out
