@@ -11,6 +11,10 @@ the whole tree, and gets the same log-prob: the second pass is exact and feeds n
 Several prompts of one first call (its rows) continue in one call, left to right in each row and
 padded to the longest row; a padding token sees only itself and no real token sees it.
 
+Whole trees can follow the prompt in the same way (`pack_trees`): a gated decision's tree (gates.py,
+a tool's arguments once the tool is chosen) sees what the prompt's last token saw and its own
+ancestors, at the positions the first call would have given it, and none of the first call's trees.
+
     >>> from pcd_engine.branches import build_tree, cut_tree
     >>> whole = build_tree(lambda s: [ord(c) for c in s], "{", ["abcd", "abxy"])
     >>> continuation_of(cut_tree(whole), whole, 1)
@@ -26,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pcd_engine.branches import TokenTree
-from pcd_engine.packing import PackedInputs
+from pcd_engine.packing import PackedInputs, pack_inputs
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,22 @@ def pack_continuations(
             spans[-1].append((start, end))
             start = end
     return ContinuedInputs(ids, positions, allowed, targets, spans)
+
+
+def pack_trees(kept: KeptCall, trees: Sequence[TokenTree]) -> PackedInputs:
+    """The inputs of one call that feeds `trees` after the prompt of every row of `kept`, as `run`
+    would have fed them beside the first call's trees: each tree token sees that row's past and
+    prompt (the row of the prompt's last token in the first call's mask) and its own ancestors, at
+    positions counted from the prompt's end. Trees whose chain is empty (scored from the prompt's last
+    token itself) cannot follow a kept call."""
+    if any(tree.root < 0 for tree in trees):
+        raise ValueError("a tree that starts at the prompt's last token cannot follow a kept call")
+    own = pack_inputs((), 0, trees)  # the forest alone: positions are depths, the mask its own
+    rows, width = kept.rows, own.ids.shape[1]
+    seen = kept.past + kept.packed.ids.shape[1]
+    last = kept.packed.prompt_last
+    allowed = torch.zeros(rows, 1, width, seen + width, dtype=torch.bool)
+    allowed[:, 0, :, :seen] = kept.packed.allowed[:, 0, last : last + 1, :]
+    allowed[:, 0, :, seen:] = own.allowed[0, 0]
+    positions = kept.packed.positions[:, last : last + 1] + 1 + own.positions
+    return PackedInputs(own.ids.expand(rows, width), positions, allowed, own.columns, -1)

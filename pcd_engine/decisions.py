@@ -27,13 +27,14 @@ from pcd_engine.schema import JSONScalar
 
 def decide(
     plan: SchemaPlan,
-    logprobs: Sequence[torch.Tensor],
+    logprobs: Sequence[torch.Tensor | None],
     priors: Sequence[torch.Tensor] | None = None,
     rule: Rule | None = None,
 ) -> dict[str, FieldResult]:
     """Every decision's FieldResult, keyed by path in plan order. `logprobs` (and `priors`) hold one
-    entry per tree; `rule` replaces each decision's own rule where both use the same tree shape (codes or
-    not, cut at the distinguishing token or not)."""
+    entry per tree (None: a gated tree not scored, whose decision is left out); `rule` replaces each
+    decision's own rule where both use the same tree shape (codes or not, cut at the distinguishing
+    token or not)."""
     no_priors: list[torch.Tensor | None] = [None] * len(logprobs)
     per_tree = iter(zip(logprobs, priors or no_priors, strict=True))
     fields: dict[str, FieldResult] = {}
@@ -43,7 +44,8 @@ def decide(
             continue
         used = dp.rule if rule is None or tree_shape(dp.rule) != tree_shape(rule) else rule
         scores, prior = next(per_tree)
-        fields[dp.decision.path] = decide_field(dp, scores, prior, used)
+        if scores is not None:
+            fields[dp.decision.path] = decide_field(dp, scores, prior, used)
     return fields
 
 

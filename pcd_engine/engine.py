@@ -388,7 +388,7 @@ class PCDEngine(LearningMixin, ChatMixin):
         # 1. render every input: a bad one fails here (or takes its place), before any model work
         items = self.pipeline.render(plan, texts, single, return_exceptions, numbers)
         # 2. score the closed fields in packed passes, several requests per forward call
-        self.pipeline.score(plan, items, keep_hidden, options.calibration)
+        self.pipeline.score(plan, items, keep_hidden, options.calibration, gated=True)
         # 3. re-score close calls on the FP32 reference model
         self.pipeline.rescore(plan, items)
         # 4. calibrate the scored fields, mark those below the abstention threshold

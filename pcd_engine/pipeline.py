@@ -25,10 +25,10 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from pcd_engine import fitting, precision, shortlist
+from pcd_engine import fitting, gates, packing, precision, shortlist
 from pcd_engine.calibration import Calibration, ModelIdentity, abstain, apply_all
 from pcd_engine.calibration import model_identity as identity_of
-from pcd_engine.decisions import decide
+from pcd_engine.decisions import decide, decide_field
 from pcd_engine.errors import PCDError
 from pcd_engine.hidden import HiddenCapture, HiddenStates
 from pcd_engine.options import PlanOptions, refuse_unknown
@@ -133,6 +133,7 @@ class Pipeline:
         keep_hidden: bool = False,
         calibration: Calibration | None = None,
         variants: Sequence[Calibration | None] = (),
+        gated: bool = False,
     ) -> None:
         """Phase 2: every request's scored fields, its decisions made (priors subtracted where the
         rule corrects them), several requests per forward call; with `keep_hidden`, the hidden
@@ -140,7 +141,9 @@ class Pipeline:
         first pass ranks best, through `calibration` where the call has one (phase 4 applies it).
         With `variants`, each request's `variants` are its fields as a call with each of these
         calibrations would answer them (calibrated: phases 2 and 4), from the same forward calls:
-        the second pass scores every variant's shortlist. Errors in `requests` are skipped."""
+        the second pass scores every variant's shortlist. With `gated`, a plan's gated decisions (a
+        tool's arguments) are scored only where their gate holds, in a call after the first
+        (gates.py), where nothing else reads them. Errors in `requests` are skipped."""
         live = rendered(requests)
         if not live:
             return
@@ -152,13 +155,15 @@ class Pipeline:
                 HiddenCapture(len(r.prompt.head), len(r.prompt.head) + len(r.prompt.text)) for r in live
             ]
         ids = [r.prompt.ids for r in live]
-        kept: list[Kept] | None = [] if plan.shortlisted else None  # for the shortlists' second pass
-        runs = self.scorer.score(plan, ids, stats, capture=capture, kept=kept)
+        gated = gated and bool(plan.gates) and capture is None and not variants and self.rescorer is None
+        kept: list[Kept] | None = [] if plan.shortlisted or gated else None  # for the later calls
+        only = plan.first_trees if gated else None
+        runs = self.scorer.score(plan, ids, stats, capture=capture, kept=kept, only=only)
         scored = time.perf_counter()
         wanted = any(dp.rule.corrects_prior for dp in plan.decisions)
         priors = self.scorer.priors(plan, stats[0]) if wanted else None
         for k, (request, logprobs) in enumerate(zip(live, runs, strict=True)):
-            request.fields = decide(plan, logprobs, priors)
+            request.fields = decide(plan, gates.first_pass(plan, logprobs) if gated else logprobs, priors)
             if capture is not None:
                 request.hidden = capture[k].states()
         first = [dict(r.fields) for r in live]  # what every shortlist is chosen by, calibrated or not
@@ -170,6 +175,8 @@ class Pipeline:
         ]
         fields = [r.fields for r in live]
         exact = self.scorer.finish_shortlists(plan, ids, fields, stats, priors, kept, rankings=rankings)
+        if gated and kept is not None:
+            self._finish_gates(plan, live, kept, priors, calibration)
         for k, request in enumerate(live):
             request.timings["forward"] = (scored - began) * 1e3 / len(live)
             request.timings["score"] = elapsed_ms(scored) / len(live)
@@ -177,6 +184,29 @@ class Pipeline:
                 _variant(plan, first[k], exact[k], ranking[k], c, request.hidden)
                 for c, ranking in zip(variants, rankings[1:], strict=True)
             ]
+
+    def _finish_gates(
+        self,
+        plan: SchemaPlan,
+        live: Sequence[Request],
+        kept: Sequence[Kept],
+        priors: Sequence[Any] | None,
+        calibration: Calibration | None,
+    ) -> None:
+        """The gated pass (gates.py): each request's open gated decisions scored and decided, its
+        fields in plan order without the closed ones, its `branch_tokens` the tree tokens it fed."""
+        opened = [gates.open_paths(plan, r.fields, calibration) for r in live]
+        wanted = [gates.wanted_trees(plan, o) for o in opened]
+        ids, stats = [r.prompt.ids for r in live], [r.stats for r in live]
+        runs = self.scorer.finish_gates(plan, ids, stats, kept, wanted)
+        first = packing.fed_tokens([plan.trees[k] for k in plan.first_trees])
+        for request, scores, o, own in zip(live, runs, opened, wanted, strict=True):
+            request.branch_tokens = first + packing.fed_tokens([plan.trees[k] for k in own])
+            for k, logprobs in scores.items():
+                dp = plan.scored_decisions[k]
+                prior = priors[k] if priors is not None else None
+                request.fields[dp.decision.path] = decide_field(dp, logprobs, prior, dp.rule)
+            request.fields = gates.in_plan_order(plan, request.fields, o)
 
     def rescore(self, plan: SchemaPlan, requests: Sequence[Request | PCDError]) -> None:
         """Phase 3: the close calls of every request scored again in FP32 (with a reference model)."""

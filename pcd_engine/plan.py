@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -25,7 +25,7 @@ from pcd_engine.errors import InputError, SchemaLimitError, TokenizationError, U
 from pcd_engine.json_schema import capped, describe, field_schema, model_schema
 from pcd_engine.prompt import LAYOUTS, ChatPrompt
 from pcd_engine.rules import ContextualCalibration, OptionRule, Rule
-from pcd_engine.schema import YES_NO, CompiledSchema, Decision, Limits
+from pcd_engine.schema import YES_NO, CompiledSchema, Decision, JSONScalar, Limits
 from pcd_engine.wording import (
     WORDINGS,
     branch_text,
@@ -67,6 +67,8 @@ class SchemaPlan:
     wording: str = "json"  # how branches write a value (layout.WORDINGS)
     tools: tuple[dict[str, Any], ...] = ()  # tool definitions the template renders in the head
     layout: str = "chat"  # the prompt layout (prompt.LAYOUTS): a raw prompt's plan has no system text
+    # per gated decision path, the (decision path, value) it is scored under (`_gates`, gates.py)
+    gates: dict[str, tuple[str, JSONScalar]] = field(default_factory=dict)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -106,6 +108,11 @@ class SchemaPlan:
     def normalized(self) -> tuple[bool, ...]:
         """Per tree, whether its rule needs log-probs normalised over the whole vocabulary."""
         return tuple(d.rule.needs_normalizer for d in self.scored_decisions)
+
+    @cached_property
+    def first_trees(self) -> tuple[int, ...]:
+        """The trees (numbered as in `trees`) a gated pass feeds first: those of ungated decisions."""
+        return tuple(k for k, dp in enumerate(self.scored_decisions) if dp.decision.path not in self.gates)
 
     @cached_property
     def branch_tokens(self) -> int:
@@ -212,7 +219,8 @@ def build_plan(
     else:
         head, tools = prompt.render_head(system, examples), ()
     decisions = _shortlisted(plans, policy)
-    return SchemaPlan(compiled, system, head, decisions, schema, examples, wording, tools)
+    gates = _gates(compiled, decisions, policy)
+    return SchemaPlan(compiled, system, head, decisions, schema, examples, wording, tools, gates=gates)
 
 
 def _raw_plan(
@@ -278,6 +286,32 @@ def _shortlisted(
         replace(dp, tree=cut_tree(dp.tree), whole=dp.tree, keep=policy.size) if pick and dp.tree else dp
         for dp, pick in zip(plans, chosen, strict=True)
     )
+
+
+def _gates(
+    compiled: CompiledSchema, decisions: Sequence[DecisionPlan], policy: shortlist.ShortlistPolicy | None
+) -> dict[str, tuple[str, JSONScalar]]:
+    """Per decision path, the (decision path, value) under which it is scored, from the schema's
+    `pcd_gates` (a tool's arguments depend on the tool chosen: tools.py): scored after that decision
+    is made, only where it holds (gates.py). A group is gated only where each of its scored decisions
+    can be (a whole tree, not a shortlist's first pass, that starts with tokens of its own, under a
+    decision scored in the first pass), and the plan's groups only where the policy says the call it
+    adds pays (`ShortlistPolicy.gated`; no policy: one pass)."""
+    declared: dict[str, tuple[str, JSONScalar]] = getattr(compiled.schema, "pcd_gates", {})
+    if policy is None or not declared:
+        return {}
+    by_path = {dp.decision.path: dp for dp in decisions}
+    out: dict[str, tuple[str, JSONScalar]] = {}
+    groups: list[list[TokenTree]] = []
+    for group, (path, value) in declared.items():
+        gate = by_path.get(path)
+        if gate is None or gate.tree is None or path.split(".")[0] in declared:
+            continue
+        members = [dp for dp in decisions if dp.decision.path.split(".")[0] == group]
+        if all(dp.tree is None or (dp.whole is None and dp.tree.root >= 0) for dp in members):
+            out.update((dp.decision.path, (path, value)) for dp in members)
+            groups.append([dp.tree for dp in members if dp.tree is not None])
+    return out if policy.gated(groups) else {}
 
 
 def _coded(answer: str, compiled: CompiledSchema, codes: dict[int, tuple[str, ...]]) -> str:

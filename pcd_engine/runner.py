@@ -26,7 +26,7 @@ import torch
 from pcd_engine import hidden, packing
 from pcd_engine.branches import TokenTree
 from pcd_engine.cache import can_freeze, freeze, frozen_view, kept_view
-from pcd_engine.continuation import Continuation, KeptCall, pack_continuations
+from pcd_engine.continuation import Continuation, KeptCall, pack_continuations, pack_trees
 from pcd_engine.hidden import HiddenCapture
 from pcd_engine.projection import LMHeadProjection
 
@@ -230,6 +230,25 @@ class BranchRunner:
                 counters.forward_calls += 1
                 counters.fed_tokens += sum(end - start for start, end in spans)
         return [[logprobs[r, a:b] for a, b in spans] for r, spans in enumerate(inputs.spans)]
+
+    @torch.inference_mode()
+    def run_after(
+        self,
+        kept: KeptCall,
+        trees: Sequence[TokenTree],
+        normalized: Sequence[bool],
+        stats: Sequence[PassStats | None],
+    ) -> list[list[torch.Tensor]]:
+        """Per row of a kept first call, per tree, the scored columns (as `run` gives them) of `trees`
+        fed after that row's prompt in one forward call, the prompt not fed again
+        (`continuation.pack_trees`). `stats` (one per row, None for a row of no request) count it."""
+        packed = pack_trees(kept, trees)
+        scores, _ = self._forward(packed, trees, normalized, freeze(kept.kv, kept.rows), keep_kv=False)
+        for counters in stats:
+            if counters is not None:
+                counters.forward_calls += 1
+                counters.fed_tokens += packed.ids.shape[1]
+        return scores
 
     @torch.inference_mode()
     def prefill_head(self, head: Sequence[int], stats: PassStats) -> Any:

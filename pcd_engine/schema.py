@@ -136,12 +136,18 @@ class CompiledSchema:
         object.__setattr__(self, "decisions", tuple(decisions))
 
     def assemble(self, chosen: Mapping[str, JSONScalar]) -> dict[str, Any]:
-        """Nest the chosen value of every decision (by path) into the model's JSON object."""
+        """Nest the chosen value of every decision (by path) into the model's JSON object. A field
+        with a decision not made is left out (a tool's arguments where another tool was chosen:
+        plan.gates); a group so emptied takes its default."""
         data: dict[str, Any] = {}
         for f in self.fields:
             if f.multi_label:
                 members = [d for d in self.decisions if self.fields[d.field_index] is f]
+                if any(d.path not in chosen for d in members):
+                    continue
                 value: Any = [d.option for d in members if chosen[d.path] is True]
+            elif f.path not in chosen:
+                continue
             else:
                 value = chosen[f.path]
             node = data

@@ -181,6 +181,39 @@ class Scorer:
                 )
         return exact
 
+    def finish_gates(
+        self,
+        plan: SchemaPlan,
+        prompts: Sequence[Sequence[int]],
+        stats: Sequence[PassStats],
+        kept: Sequence[Kept],
+        wanted: Sequence[Sequence[int]],
+    ) -> list[dict[int, torch.Tensor]]:
+        """The gated pass (gates.py) for requests scored by `score(..., only=plan.first_trees)`: per
+        request, the scored columns of the trees numbered `wanted[i]`, fed after its prompt. Requests
+        of one kept first call are fed in one call on its KV (each row feeds the union of their
+        trees); a request without one feeds its text again with its trees, alone."""
+        out: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
+        by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
+        for i, handle in enumerate(kept):
+            if not wanted[i]:
+                continue
+            if handle is None:
+                trees = [plan.trees[k] for k in wanted[i]]
+                normalized = [plan.normalized[k] for k in wanted[i]]
+                alone = self._alone(prompts[i], trees, stats[i], len(plan.head), normalized)
+                out[i] = dict(zip(wanted[i], alone, strict=True))
+            else:
+                by_call.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
+        for call, requests in by_call.values():
+            union = sorted({k for i in requests.values() for k in wanted[i]})
+            owners = [stats[requests[r]] if r in requests else None for r in range(call.rows)]
+            trees, normalized = [plan.trees[k] for k in union], [plan.normalized[k] for k in union]
+            runs = self.runner.run_after(call, trees, normalized, owners)
+            for row, i in requests.items():
+                out[i] = {k: scores for k, scores in zip(union, runs[row], strict=True) if k in wanted[i]}
+        return out
+
     def _continued(
         self,
         call: KeptCall,

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from pcd_engine import packing
 from pcd_engine.branches import TokenTree, cut_tree
 from pcd_engine.results import FieldResult
 from pcd_engine.rules import ContextualCalibration, OptionRule, Rule, from_scores
@@ -76,6 +77,12 @@ class ShortlistPolicy:
         worth = [s > 0 for s in savings]
         total = sum(s for s, w in zip(savings, worth, strict=True) if w)
         return worth if total > self.call_cost else [False] * len(decisions)
+
+    def gated(self, groups: Sequence[Sequence[TokenTree]]) -> bool:
+        """Whether scoring each group of trees (a tool's arguments) only where it is chosen, in one
+        more call (gates.py), pays: the tokens of every group but the largest, against `call_cost`."""
+        sizes = sorted((packing.fed_tokens(trees) for trees in groups), reverse=True)
+        return sum(sizes[1:]) > self.call_cost
 
 
 def eligible(rule: Rule, tree: TokenTree, size: int) -> bool:

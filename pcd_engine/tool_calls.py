@@ -2,9 +2,10 @@
 
 `ToolCaller.call` reads the messages as a `Conversation` (conversation.py) and the engine renders it
 after the decision schema's head as every door does (earlier calls and results in the template's tool
-protocol, or in words where it has none). It scores the decision and every candidate tool's closed
-arguments in one packed pass
-(`engine.classify`, so calibrations, heads and `abstain_below` apply as to any field), then generates
+protocol, or in words where it has none). It scores the decision and the candidate tools' closed
+arguments (`engine.classify`, so calibrations, heads and `abstain_below` apply as to any field; where
+it pays, only the chosen tool's arguments are scored, in a second call on the first's KV: gates.py),
+then generates
 only the chosen tool's open arguments under its JSON schema (xgrammar) with the scored ones pinned,
 and validates the whole against the tool's own argument schema; a text answer is plain generation.
 `ToolCaller.calibrate` fits the decision from labeled conversations.
@@ -199,9 +200,10 @@ class ToolCaller:
         **options: Unpack[ToolCallOptions],
     ) -> ToolCallResult:
         """Decide the next step of a conversation: a call of one of `tools` (OpenAI entries, bare
-        function dicts or `Tool`s) or a text answer, as `tool_choice` allows. The decision and every
-        candidate tool's closed arguments are scored in one packed pass; the chosen tool's open
-        arguments are then generated under its schema; a text answer is generated as plain chat.
+        function dicts or `Tool`s) or a text answer, as `tool_choice` allows. The decision and the
+        candidate tools' closed arguments are scored (only the chosen tool's, after the decision,
+        where the plan gates them: gates.py); the chosen tool's open arguments are then generated
+        under its schema; a text answer is generated as plain chat.
         `instructions` go before the tool instructions (the messages' system text before both);
         `calibration` (fitted on `schema(tools, tool_choice)`) and `abstain_below` apply to the
         decision and the scored arguments; `rule` scores them (default: the engine's). A choice that

@@ -7,10 +7,12 @@ For a set of tools and a `tool_choice`, a decision schema is built once (`ToolPl
      "get_weather": {"unit": "c" | "f"},                      each tool's closed arguments, under its name
      ...}
 
-It is scored like any schema (tool_calls.py runs it), in one packed pass after the conversation: the
-decision and the closed arguments of every candidate tool, each argument's branch under its own
-tool's name. A template with a tool protocol (`ChatPrompt.supports_tools`) renders the tool
-definitions in the system turn itself (`pcd_tools`); elsewhere the schema's description lists them.
+It is scored like any schema (tool_calls.py runs it) after the conversation: the decision and the
+closed arguments of the candidate tools, each argument's branch under its own tool's name. Each
+tool's arguments depend on the decision (`pcd_gates`): where the engine's policy says a second call
+pays, only the chosen tool's are scored, after the decision (gates.py), and the others are None.
+A template with a tool protocol (`ChatPrompt.supports_tools`) renders the tool definitions in the
+system turn itself (`pcd_tools`); elsewhere the schema's description lists them.
 
     >>> plan = build_tool_plan(as_tools([{"name": "get_weather"}]), ToolChoice("auto"), in_template=False)
     >>> plan.text_value, sorted(plan.schema.model_fields)
@@ -157,9 +159,13 @@ class ToolArguments:
 
 
 class ToolDecision(BaseModel):
-    """Base of the decision models: they carry their tools for templates with a tool protocol."""
+    """Base of the decision models: they carry their tools for templates with a tool protocol, and
+    which decision each tool's arguments depend on (`pcd_gates`: field -> (decision path, value)):
+    the engine scores a tool's arguments only where that tool is chosen (gates.py), and leaves the
+    other tools' at their default, None."""
 
     pcd_tools: ClassVar[tuple[dict[str, Any], ...]] = ()
+    pcd_gates: ClassVar[dict[str, tuple[str, str]]] = {}
 
 
 @dataclass(frozen=True)
@@ -220,12 +226,13 @@ def build_tool_plan(tools: Sequence[Tool], choice: ToolChoice, in_template: bool
             source = a.model.model_fields
             closed = {n: (source[n].annotation, source[n]) for n in a.closed}
             nested = create_model(f"Arguments{a.field}", **closed)  # type: ignore[call-overload]
-            fields[a.field] = (nested, Field(alias=a.tool.name, description=None))
+            fields[a.field] = (nested, Field(None, alias=a.tool.name, description=None))
     listed = "" if in_template else " listed below"
     or_text = f', or answer the user in text ("{key}": "{text}")' if text else ""
     doc = None if in_template else "Tools:\n" + "\n".join(_tool_line(t) for t in allowed)
     schema = create_model("ToolCall", __base__=ToolDecision, __doc__=doc, **fields)
     schema.pcd_tools = tuple(t.openai() for t in allowed)
+    schema.pcd_gates = {a.field: ("tool", a.tool.name) for a in arguments.values() if a.field is not None}
     instructions = INSTRUCTIONS.format(listed=listed, or_text=or_text)
     return ToolPlan(tuple(tools), choice, key, schema, arguments, instructions, text)
 
