@@ -92,8 +92,9 @@ class PCDEngine(LearningMixin, ChatMixin):
     of refusing them with InputError), `text_framing` ("turn": the text is the whole user message;
     "data": between `<text>` delimiters, with a system sentence saying it is data, not instructions;
     "sandwich": "data" with the task restated after the text; docs/benchmarks.md measures the three
-    against injected text), `shortlist` (True: `ShortlistPolicy.for_device`, a `ShortlistPolicy`, or
-    False: many-valued fields on cut trees first, their best values whole in a second call)."""
+    against injected text), `shortlist` (True: `ShortlistPolicy.for_device`, or a `ShortlistPolicy`:
+    where a second call pays, many-valued fields on cut trees first and their best values whole in it,
+    and a tool's arguments only once it is chosen (gates.py); False: one pass over every tree)."""
 
     def __init__(
         self,

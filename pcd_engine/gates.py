@@ -15,10 +15,11 @@ positions, so its scores are exactly those of one pass. The other tools' argumen
 their decisions are left out of the answer and their group takes its default, None. A request whose
 first call was not kept (its trees ran in microbatches) feeds its text again with the chosen trees.
 
-The pipeline gates only where the answer cannot depend on the trees it skips: not where heads read
-hidden states at every tree, not where an FP32 re-scorer may change the decision after the second
-call, not while scoring for several calibrations at once, and not while fitting a calibration (every
-labeled argument is scored there).
+Heads read the text's hidden states from the first call and each gated tree's fork state from the
+second (a tree not fed has none, and no head reads it). The pipeline gates only where the answer
+cannot depend on the trees it skips: not where an FP32 re-scorer may change the decision after the
+second call, not while scoring for several calibrations at once, and not while fitting a calibration
+(every labeled argument is scored there).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pcd_engine.calibration import Calibration, apply_all
+from pcd_engine.hidden import HiddenStates
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.results import FieldResult
 
@@ -42,14 +44,18 @@ def first_pass(plan: SchemaPlan, runs: Sequence[torch.Tensor]) -> list[torch.Ten
 
 
 def open_paths(
-    plan: SchemaPlan, fields: Mapping[str, FieldResult], calibration: Calibration | None = None
+    plan: SchemaPlan,
+    fields: Mapping[str, FieldResult],
+    calibration: Calibration | None = None,
+    hidden: HiddenStates | None = None,
 ) -> set[str]:
     """The gated decisions whose gate holds for one request: the gate decision's value, through
-    `calibration` where it has a map for it (the value the answer will give), is the gate's."""
+    `calibration` where it has a map for it (the value the answer will give; a head reads `hidden`),
+    is the gate's."""
     wanted = {path for path, _ in plan.gates.values()}
     decided = {p: fields[p] for p in wanted if p in fields}
     if calibration is not None:
-        decided = apply_all(calibration.fields, decided)
+        decided = apply_all(calibration.fields, decided, hidden)
     gates = plan.gates.items()
     return {path for path, (gate, value) in gates if gate in decided and decided[gate].value == value}
 

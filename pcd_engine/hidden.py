@@ -53,7 +53,11 @@ class HiddenCapture:
     def states(self) -> HiddenStates:
         if self.text_last is None or self.text_middle is None:
             raise RuntimeError("the text was not fed in the captured call (a cached prefix covered it)")
-        fork = torch.stack([self.forks[k] for k in sorted(self.forks)]) if self.forks else torch.empty(0)
+        fork = torch.empty(0)
+        if self.forks:  # row k is tree k's; a tree not fed (a gated decision not scored) is zeros
+            fork = torch.zeros(max(self.forks) + 1, next(iter(self.forks.values())).shape[-1])
+            for tree, state in self.forks.items():
+                fork[tree] = state
         return HiddenStates(fork, self.text_last, self.text_middle)
 
 

@@ -155,7 +155,7 @@ class Pipeline:
                 HiddenCapture(len(r.prompt.head), len(r.prompt.head) + len(r.prompt.text)) for r in live
             ]
         ids = [r.prompt.ids for r in live]
-        gated = gated and bool(plan.gates) and capture is None and not variants and self.rescorer is None
+        gated = gated and bool(plan.gates) and not variants and self.rescorer is None
         kept: list[Kept] | None = [] if plan.shortlisted or gated else None  # for the later calls
         only = plan.first_trees if gated else None
         runs = self.scorer.score(plan, ids, stats, capture=capture, kept=kept, only=only)
@@ -176,7 +176,7 @@ class Pipeline:
         fields = [r.fields for r in live]
         exact = self.scorer.finish_shortlists(plan, ids, fields, stats, priors, kept, rankings=rankings)
         if gated and kept is not None:
-            self._finish_gates(plan, live, kept, priors, calibration)
+            self._finish_gates(plan, live, kept, priors, calibration, capture)
         for k, request in enumerate(live):
             request.timings["forward"] = (scored - began) * 1e3 / len(live)
             request.timings["score"] = elapsed_ms(scored) / len(live)
@@ -192,19 +192,23 @@ class Pipeline:
         kept: Sequence[Kept],
         priors: Sequence[Any] | None,
         calibration: Calibration | None,
+        capture: Sequence[HiddenCapture] | None,
     ) -> None:
         """The gated pass (gates.py): each request's open gated decisions scored and decided, its
-        fields in plan order without the closed ones, its `branch_tokens` the tree tokens it fed."""
-        opened = [gates.open_paths(plan, r.fields, calibration) for r in live]
+        fields in plan order without the closed ones, its `branch_tokens` the tree tokens it fed;
+        with `capture`, its hidden states with the gated trees' fork states too."""
+        opened = [gates.open_paths(plan, r.fields, calibration, r.hidden) for r in live]
         wanted = [gates.wanted_trees(plan, o) for o in opened]
         ids, stats = [r.prompt.ids for r in live], [r.stats for r in live]
-        runs = self.scorer.finish_gates(plan, ids, stats, kept, wanted)
+        runs = self.scorer.finish_gates(plan, ids, stats, kept, wanted, capture)
         first = packing.fed_tokens([plan.trees[k] for k in plan.first_trees])
-        for request, scores, o, own in zip(live, runs, opened, wanted, strict=True):
-            request.branch_tokens = first + packing.fed_tokens([plan.trees[k] for k in own])
-            for k, logprobs in scores.items():
-                dp = plan.scored_decisions[k]
-                prior = priors[k] if priors is not None else None
+        for k, (request, scores, o, own) in enumerate(zip(live, runs, opened, wanted, strict=True)):
+            if capture is not None:
+                request.hidden = capture[k].states()
+            request.branch_tokens = first + packing.fed_tokens([plan.trees[t] for t in own])
+            for t, logprobs in scores.items():
+                dp = plan.scored_decisions[t]
+                prior = priors[t] if priors is not None else None
                 request.fields[dp.decision.path] = decide_field(dp, logprobs, prior, dp.rule)
             request.fields = gates.in_plan_order(plan, request.fields, o)
 

@@ -238,12 +238,15 @@ class BranchRunner:
         trees: Sequence[TokenTree],
         normalized: Sequence[bool],
         stats: Sequence[PassStats | None],
+        capture: Sequence[RowCapture] | None = None,
     ) -> list[list[torch.Tensor]]:
         """Per row of a kept first call, per tree, the scored columns (as `run` gives them) of `trees`
         fed after that row's prompt in one forward call, the prompt not fed again
-        (`continuation.pack_trees`). `stats` (one per row, None for a row of no request) count it."""
+        (`continuation.pack_trees`). `stats` (one per row, None for a row of no request) count it;
+        `capture` (one per row) reads the trees' fork states."""
         packed = pack_trees(kept, trees)
-        scores, _ = self._forward(packed, trees, normalized, freeze(kept.kv, kept.rows), keep_kv=False)
+        frozen = freeze(kept.kv, kept.rows)
+        scores, _ = self._forward(packed, trees, normalized, frozen, keep_kv=False, capture=capture)
         for counters in stats:
             if counters is not None:
                 counters.forward_calls += 1

@@ -188,11 +188,13 @@ class Scorer:
         stats: Sequence[PassStats],
         kept: Sequence[Kept],
         wanted: Sequence[Sequence[int]],
+        capture: Sequence[HiddenCapture] | None = None,
     ) -> list[dict[int, torch.Tensor]]:
         """The gated pass (gates.py) for requests scored by `score(..., only=plan.first_trees)`: per
         request, the scored columns of the trees numbered `wanted[i]`, fed after its prompt. Requests
         of one kept first call are fed in one call on its KV (each row feeds the union of their
-        trees); a request without one feeds its text again with its trees, alone."""
+        trees); a request without one feeds its text again with its trees, alone. With `capture`
+        (the first call's, one per request), the same calls read these trees' fork states into it."""
         out: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
         by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
         for i, handle in enumerate(kept):
@@ -201,15 +203,25 @@ class Scorer:
             if handle is None:
                 trees = [plan.trees[k] for k in wanted[i]]
                 normalized = [plan.normalized[k] for k in wanted[i]]
-                alone = self._alone(prompts[i], trees, stats[i], len(plan.head), normalized)
+                into = _at(capture, i)
+                own = HiddenCapture(into.text_start, into.text_end) if into is not None else None
+                alone = self._alone(prompts[i], trees, stats[i], len(plan.head), normalized, own)
                 out[i] = dict(zip(wanted[i], alone, strict=True))
+                if into is not None and own is not None:  # forks by the plan's tree numbers
+                    into.forks.update((k, own.forks[j]) for j, k in enumerate(wanted[i]))
             else:
                 by_call.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
         for call, requests in by_call.values():
             union = sorted({k for i in requests.values() for k in wanted[i]})
             owners = [stats[requests[r]] if r in requests else None for r in range(call.rows)]
             trees, normalized = [plan.trees[k] for k in union], [plan.normalized[k] for k in union]
-            runs = self.runner.run_after(call, trees, normalized, owners)
+            rows = None
+            if capture is not None:  # a row of no request reads into a capture nobody keeps
+                spare = HiddenCapture(0, 0)
+                rows = [
+                    (capture[requests[r]] if r in requests else spare, None, union) for r in range(call.rows)
+                ]
+            runs = self.runner.run_after(call, trees, normalized, owners, rows)
             for row, i in requests.items():
                 out[i] = {k: scores for k, scores in zip(union, runs[row], strict=True) if k in wanted[i]}
         return out

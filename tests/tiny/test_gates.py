@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pcd_engine import Conversation, PCDEngine
+from pcd_engine.hidden import HiddenCapture
 from pcd_engine.runner import PassStats
 from pcd_engine.shortlist import ShortlistPolicy
 from tests.helpers import ForwardCounter
@@ -114,8 +115,12 @@ def test_a_batch_continues_each_first_call_with_the_union_of_its_rows_chosen_tre
 
 def _prompts(engine, plan, texts):
     return [
-        engine.prompt.with_conversation(plan.head, plan.system, Conversation.of(_asked(t))).ids for t in texts
+        engine.prompt.with_conversation(plan.head, plan.system, Conversation.of(_asked(t))) for t in texts
     ]
+
+
+def _captures(prompts):
+    return [HiddenCapture(len(p.head), len(p.head) + len(p.text)) for p in prompts]
 
 
 def test_rows_of_one_kept_call_continue_it_with_different_trees_and_a_lost_call_feeds_the_text_again(engines):
@@ -124,19 +129,24 @@ def test_rows_of_one_kept_call_continue_it_with_different_trees_and_a_lost_call_
     plan = gated.plan(tools.schema, instructions=tools.instructions)
     reference = whole.plan(tools.schema, instructions=tools.instructions)
     assert [t.tokens for t in plan.trees] == [t.tokens for t in reference.trees]
-    ids = _prompts(gated, plan, TEXTS[:3])
-    expected = whole.pipeline.scorer.score(reference, ids, [PassStats() for _ in ids])
-    scorer, stats, kept = gated.pipeline.scorer, [PassStats() for _ in ids], []
-    first = scorer.score(plan, ids, stats, only=plan.first_trees, kept=kept)
+    prompts = _prompts(gated, plan, TEXTS[:3])
+    ids = [p.ids for p in prompts]
+    seen = _captures(prompts)
+    expected = whole.pipeline.scorer.score(reference, ids, [PassStats() for _ in ids], capture=seen)
+    scorer, stats, kept, captured = gated.pipeline.scorer, [PassStats() for _ in ids], [], _captures(prompts)
+    first = scorer.score(plan, ids, stats, only=plan.first_trees, kept=kept, capture=captured)
     assert [len(run) for run in first] == [1, 1, 1] and all(k is not None for k in kept)
     assert len({id(k[0]) for k in kept}) == 1  # one batched first call: its rows continue together
     wanted = [[1, 2], [5, 6, 11, 12], []]
     kept[1] = None  # as if that row's first call had run in microbatches: its text is fed again
-    gated_runs = scorer.finish_gates(plan, ids, stats, kept, wanted)
+    gated_runs = scorer.finish_gates(plan, ids, stats, kept, wanted, captured)
     for i, own in enumerate(wanted):
-        assert sorted(gated_runs[i]) == own
+        assert sorted(gated_runs[i]) == own and sorted(captured[i].forks) == [0, *own]
         for k in own:
             assert torch.allclose(gated_runs[i][k], expected[i][k], atol=1e-4), (i, k)
+        for k in (0, *own):  # the fork states a head reads, from whichever call fed the tree
+            assert torch.allclose(captured[i].forks[k], seen[i].forks[k], atol=1e-4), (i, k)
+        assert torch.allclose(captured[i].text_last, seen[i].text_last, atol=1e-5)
     assert [s.forward_calls for s in stats] == [2, 2, 1]  # the third row wanted nothing
 
 
@@ -166,3 +176,26 @@ def test_fitting_scores_every_tools_arguments_where_the_model_chose_another_tool
     labels = [{"tool": other, "arguments": {"priority": "high priority"}}] * len(TEXTS)
     calibration = gated.tools.calibrate(GATED_TOOLS, TEXTS, labels, tool_choice="required", method="bias")
     assert len(calibration.held_out[f"{group}.priority"].labels) == len(TEXTS)
+
+
+def test_heads_read_the_chosen_tools_fork_states_from_the_second_call(engines):
+    gated, whole = engines
+    texts = [f"{t} (case {n})" for n in range(3) for t in TEXTS]
+    kinds = ["billing", "refunds"] * 6
+    priorities = ["low priority", "low priority", "high priority", "high priority"] * 3
+    labels = [
+        {"tool": f"handle_{k}", "arguments": {"reason": f"{REASONS[n % 2]} ({k})", "priority": p}}
+        for n, (k, p) in enumerate(zip(kinds, priorities, strict=True))
+    ]
+    calibration = whole.tools.calibrate(
+        GATED_TOOLS, texts, labels, tool_choice="required", method="head", folds=2
+    )
+    assert calibration.needs_hidden and calibration.fields["tool_1.priority"].method == "head"
+    for text in texts[:4]:
+        fast = gated.tools.call(_asked(text), GATED_TOOLS, tool_choice="required", calibration=calibration)
+        slow = whole.tools.call(_asked(text), GATED_TOOLS, tool_choice="required", calibration=calibration)
+        assert fast.scoring.diagnostics.forward_calls == 2
+        assert fast.tool == slow.tool and fast.arguments == slow.arguments
+        _same_fields({"tool": fast.decision}, {"tool": slow.decision}, ["tool"])
+        _same_fields(fast.fields, slow.fields, ["reason", "priority"])
+        assert fast.fields["priority"].calibration == "head"
