@@ -14,7 +14,7 @@ The priors are the log of the mean probability the trees get for content-free te
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -162,13 +162,10 @@ class Scorer:
             for i in range(len(fields))
         ]
         scored: dict[int, list[list[float]]] = {}
-        by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
-        for i, handle in enumerate(kept if kept is not None else [None] * len(prompts)):
-            if handle is None:
-                scored[i] = self._whole_again(plan, prompts[i], todo, picks[i], stats[i], priors)
-            else:
-                by_call.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
-        for call, requests in by_call.values():
+        alone, calls = _by_call(kept if kept is not None else [None] * len(prompts), range(len(prompts)))
+        for i in alone:
+            scored[i] = self._whole_again(plan, prompts[i], todo, picks[i], stats[i], priors)
+        for call, requests in calls:
             scored.update(self._continued(call, requests, todo, picks, fields, stats, priors))
         exact: list[dict[str, dict[int, float]]] = []
         for i, own in enumerate(fields):
@@ -196,24 +193,19 @@ class Scorer:
         trees); a request without one feeds its text again with its trees, alone. With `capture`
         (the first call's, one per request), the same calls read these trees' fork states into it."""
         out: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
-        by_call: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id -> (call, row -> request)
-        for i, handle in enumerate(kept):
-            if not wanted[i]:
-                continue
-            if handle is None:
-                trees = [plan.trees[k] for k in wanted[i]]
-                normalized = [plan.normalized[k] for k in wanted[i]]
-                into = _at(capture, i)
-                own = HiddenCapture(into.text_start, into.text_end) if into is not None else None
-                alone = self._alone(prompts[i], trees, stats[i], len(plan.head), normalized, own)
-                out[i] = dict(zip(wanted[i], alone, strict=True))
-                if into is not None and own is not None:  # forks by the plan's tree numbers
-                    into.forks.update((k, own.forks[j]) for j, k in enumerate(wanted[i]))
-            else:
-                by_call.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
-        for call, requests in by_call.values():
+        alone, calls = _by_call(kept, [i for i in range(len(prompts)) if wanted[i]])
+        for i in alone:
+            trees = [plan.trees[k] for k in wanted[i]]
+            normalized = [plan.normalized[k] for k in wanted[i]]
+            into = _at(capture, i)
+            own = HiddenCapture(into.text_start, into.text_end) if into is not None else None
+            runs = self._alone(prompts[i], trees, stats[i], len(plan.head), normalized, own)
+            out[i] = dict(zip(wanted[i], runs, strict=True))
+            if into is not None and own is not None:  # forks by the plan's tree numbers
+                into.forks.update((k, own.forks[j]) for j, k in enumerate(wanted[i]))
+        for call, requests in calls:
             union = sorted({k for i in requests.values() for k in wanted[i]})
-            owners = [stats[requests[r]] if r in requests else None for r in range(call.rows)]
+            owners = _owners(call, requests, stats)
             trees, normalized = [plan.trees[k] for k in union], [plan.normalized[k] for k in union]
             rows = None
             if capture is not None:  # a row of no request reads into a capture nobody keeps
@@ -221,9 +213,9 @@ class Scorer:
                 rows = [
                     (capture[requests[r]] if r in requests else spare, None, union) for r in range(call.rows)
                 ]
-            runs = self.runner.run_after(call, trees, normalized, owners, rows)
+            after = self.runner.run_after(call, trees, normalized, owners, rows)
             for row, i in requests.items():
-                out[i] = {k: scores for k, scores in zip(union, runs[row], strict=True) if k in wanted[i]}
+                out[i] = {k: scores for k, scores in zip(union, after[row], strict=True) if k in wanted[i]}
         return out
 
     def _continued(
@@ -246,7 +238,7 @@ class Scorer:
                     cont = continuation_of(dp.tree, dp.whole, c)
                     if cont is not None:
                         per_row[row].append((dp.tree, cont))
-        owners = [stats[requests[r]] if r in requests else None for r in range(call.rows)]
+        owners = _owners(call, requests, stats)
         runs = self.runner.continue_call(call, per_row, owners) if any(per_row) else None
         out: dict[int, list[list[float]]] = {}
         for row, i in requests.items():
@@ -346,6 +338,27 @@ class Scorer:
         for other in stats[1:]:
             other.reused_tokens, other.cache_hit = len(head), first.cache_hit
         return kv
+
+
+def _by_call(
+    kept: Sequence[Kept], numbers: Iterable[int]
+) -> tuple[list[int], list[tuple[KeptCall, dict[int, int]]]]:
+    """The requests numbered `numbers`, split for a later pass: those whose first call was not kept,
+    and per kept call, its rows' requests (row -> request number)."""
+    alone: list[int] = []
+    calls: dict[int, tuple[KeptCall, dict[int, int]]] = {}  # id of the call -> (call, rows)
+    for i in numbers:
+        handle = kept[i]
+        if handle is None:
+            alone.append(i)
+        else:
+            calls.setdefault(id(handle[0]), (handle[0], {}))[1][handle[1]] = i
+    return alone, list(calls.values())
+
+
+def _owners(call: KeptCall, requests: dict[int, int], stats: Sequence[PassStats]) -> list[PassStats | None]:
+    """Per row of a kept call, the counters of the request it holds (None: a row of no request)."""
+    return [stats[requests[r]] if r in requests else None for r in range(call.rows)]
 
 
 def _at(capture: Sequence[HiddenCapture] | None, index: int) -> HiddenCapture | None:
