@@ -65,7 +65,9 @@ class ChatCall:
         logprobs = None
         if sequence.logprobs is not None:
             logprobs = _up_to(generator.token_logprobs(sequence.logprobs), len(text))
-        return Generation(text, sequence.finish_reason, len(self.ids), len(sequence.ids), logprobs)
+        return Generation(
+            text, sequence.finish_reason, len(self.ids), len(sequence.ids), logprobs, sequence.timings_ms
+        )
 
     def stream(self, generator: Generator) -> Iterator[GenerationChunk]:
         """Text pieces as tokens are decoded; the last chunk has the finish reason and token counts.
@@ -103,7 +105,7 @@ class ChatCall:
         if rest := self.stops.flush():
             yield GenerationChunk(rest, logprobs=tail)
             tail = empty
-        yield GenerationChunk("", done.finish_reason, len(self.ids), len(done.ids), tail)
+        yield GenerationChunk("", done.finish_reason, len(self.ids), len(done.ids), tail, done.timings_ms)
 
 
 def _up_to(tokens: tuple[TokenLogprob, ...], length: int) -> tuple[TokenLogprob, ...]:

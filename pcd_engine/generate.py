@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +84,7 @@ class GeneratedSequence:
     finish_reason: str  # "stop" (stop token, stop string or grammar end) or "length" (token budget)
     steps: int  # decoding steps taken (forward calls)
     logprobs: list[StepLogprob] | None = None  # one per id, when a LogprobRecorder ran
+    timings_ms: dict[str, float] = field(default_factory=dict, compare=False)  # "prefill", "decode": Clock
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,26 @@ class _Cancelled(StoppingCriteria):
         return torch.full(
             (input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device
         )
+
+
+class Clock(StoppingCriteria):
+    """Times one `generate` call in two phases: "prefill" runs until the first token is chosen (the
+    prompt's forward call; stopping criteria are first asked right after it), "decode" is the rest.
+    Rows of one call share its times."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.Tensor:
+        if self.first is None:
+            self.first = time.perf_counter()
+        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+    def timings_ms(self) -> dict[str, float]:
+        ended = time.perf_counter()
+        first = ended if self.first is None else self.first
+        return {"prefill": (first - self.started) * 1e3, "decode": (ended - first) * 1e3}
 
 
 class Generator:
@@ -284,8 +306,11 @@ class Generator:
             kwargs["logits_processor"] = LogitsProcessorList(processors)
         if stop_strings:
             kwargs["tokenizer"] = self.tokenizer  # stop strings are matched on token texts
+        clock = Clock()
+        criteria: list[StoppingCriteria] = [clock]
         if cancel is not None:
-            kwargs["stopping_criteria"] = StoppingCriteriaList([_Cancelled(cancel)])
+            criteria.append(_Cancelled(cancel))
+        kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
         if cache is not None:
             kwargs[self._cache_kw] = cache
         with torch.random.fork_rng(devices=[]) if sampling.seed is not None else nullcontext():
@@ -298,10 +323,14 @@ class Generator:
                 streamer=streamer,
                 **kwargs,
             )
+        timings = clock.timings_ms()
         if recorder is not None and out.shape[1] > width:
             recorder.finish(out[:, -1])
         new = out[:, width:].tolist()
-        sequences = [self._sequence(row, max_new_tokens, stop_strings) for row in new]
+        sequences = [
+            dataclasses.replace(self._sequence(row, max_new_tokens, stop_strings), timings_ms=timings)
+            for row in new
+        ]
         if recorder is None:
             return sequences
         return [

@@ -121,19 +121,22 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Generation:
-    """The answer of `PCDEngine.generate`: text, why it ended, token counts, and each token's
-    log-probability when asked for (`logprobs=`)."""
+    """The answer of `PCDEngine.generate`: text, why it ended, token counts, each token's
+    log-probability when asked for (`logprobs=`), and where the time went: `timings_ms` "prefill"
+    (the prompt, up to the first token) and "decode" (the other tokens)."""
 
     text: str
     finish_reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict, compare=False)  # not the answer
 
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """One piece of `PCDEngine.stream`; the last has the finish reason and the token counts. With
+    """One piece of `PCDEngine.stream`; the last has the finish reason, the token counts and the
+    timings (as `Generation`'s). With
     `logprobs=`, each chunk carries the tokens decoded since the previous one (their texts together
     are the stream's text, up to a stop string)."""
 
@@ -142,6 +145,7 @@ class GenerationChunk:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    timings_ms: dict[str, float] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

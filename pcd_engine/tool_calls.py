@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -59,7 +59,8 @@ class ToolCallResult:
     name, None for the text answer; `fields` the chosen tool's arguments by their own paths
     (scored ones with probabilities, generated ones without). `scoring` is the decision pass's whole
     result (diagnostics included); `logprobs` the generated tokens of the text or the open arguments,
-    with `logprobs=`."""
+    with `logprobs=`; `timings_ms` the scoring's and the generation's timings summed by phase (the
+    keys of `Diagnostics.timings_ms` and of `Generation.timings_ms`)."""
 
     tool: str | None
     arguments: dict[str, Any] | None
@@ -73,6 +74,7 @@ class ToolCallResult:
     logprobs: tuple[TokenLogprob, ...] | None = None
     text_value: str | None = None  # the decision's value that means a text answer
     call_id: str | None = None  # the call's id (conversation.new_call_id), None for a text answer
+    timings_ms: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def probabilities(self) -> dict[str | None, float]:
@@ -277,6 +279,7 @@ class ToolCaller:
             tokens,
             plan.text_value,
             new_call_id(),
+            summed(scored, generated),
         )
 
     def _open_arguments(
@@ -330,6 +333,7 @@ class ToolCaller:
             scored,
             generation.logprobs,
             plan.text_value,
+            timings_ms=summed(scored, generation),
         )
 
 
@@ -356,7 +360,21 @@ def _forced_call(a: ToolArguments, result: PCDResult[Any] | None) -> ToolCallRes
         result,
         result.token_logprobs,
         call_id=new_call_id(),
+        timings_ms=summed(result),
     )
+
+
+def summed(*answers: PCDResult[Any] | Generation | None) -> dict[str, float]:
+    """The answers' timings added up by key (a scoring pass's `Diagnostics.timings_ms`, a
+    generation's `timings_ms`)."""
+    out: dict[str, float] = {}
+    for answer in answers:
+        if answer is None:
+            continue
+        timings = answer.diagnostics.timings_ms if isinstance(answer, PCDResult) else answer.timings_ms
+        for key, ms in timings.items():
+            out[key] = out.get(key, 0.0) + ms
+    return out
 
 
 def _validated(a: ToolArguments, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from minicpm_pcd_adapters.server import calls
 from minicpm_pcd_adapters.server.constraints import CHOICE_FIELD
@@ -76,6 +76,15 @@ class ResponseWriter:
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+
+class Answered(NamedTuple):
+    """A call answered whole: its choices, its usage, and each engine answer's `timings_ms` (what
+    Ollama's durations are read from)."""
+
+    choices: list[Choice]
+    usage: Usage
+    timings_ms: list[dict[str, float]]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minicpm_pcd_adapters.server.answers import (
+    Answered,
     ResponseWriter,
     choice_delta,
     classified_message,
@@ -138,14 +139,14 @@ class CompletionEndpoints:
                 first, pieces, leave = await self.pieces(call)
                 response: Response = event_stream(_generated_chunks(call, first, pieces, leave, self.metrics))
             else:
-                answers, tokens = await self.run(call, request)
-                response = _answered(call, answers, tokens)
+                answered = await self.run(call, request)
+                response = _answered(call, answered.choices, answered.usage)
             seen.status = response.status_code
             return response
 
-    async def run(self, call: RequestCall, request: Request) -> tuple[list[Choice], Usage]:
+    async def run(self, call: RequestCall, request: Request) -> Answered:
         """A call answered whole, on the model worker: its choices (in OpenAI's shape, which the
-        other protocols' writers read) and usage. Schema and grammar errors are 400s before any
+        other protocols' writers read), usage and timings. Schema and grammar errors are 400s before any
         model work."""
         if isinstance(call, ClassifyCall):
             return await self._classify(call, request)
@@ -162,7 +163,7 @@ class CompletionEndpoints:
             await self._check_grammar(call)
         return await self._stream_generation(call)
 
-    async def _classify(self, call: ClassifyCall, request: Request) -> tuple[list[Choice], Usage]:
+    async def _classify(self, call: ClassifyCall, request: Request) -> Answered:
         try:  # schema errors before any model work (the plan is cached per schema)
             engine = self.engine.rendered_with(dict(call.switches))
             plan = await asyncio.to_thread(
@@ -181,7 +182,7 @@ class CompletionEndpoints:
         tokens = classified_usage(results, call.n)
         self.metrics.on_answers(call.schema, results)
         self.metrics.on_tokens(tokens.prompt_tokens, tokens.completion_tokens)
-        return answers, tokens
+        return Answered(answers, tokens, [r.diagnostics.timings_ms for r in results])
 
     async def _check_grammar(self, call: GenerateCall) -> None:
         assert call.grammar is not None
@@ -191,7 +192,7 @@ class CompletionEndpoints:
             message = f"{call.grammar_param}: {error}"
             raise APIError(400, message, param=call.grammar_param, code="invalid_grammar") from None
 
-    async def _tool_call(self, call: ToolDecisionCall, request: Request) -> tuple[list[Choice], Usage]:
+    async def _tool_call(self, call: ToolDecisionCall, request: Request) -> Answered:
         """A tool decision (or text answer, or the one tool a choice names) per choice, on the model
         worker; the tools' parameters are checked first, before any model work."""
         engine = self.engine.rendered_with(dict(call.switches))
@@ -218,9 +219,9 @@ class CompletionEndpoints:
         answers = [tool_message(call, r, i) for i, r in enumerate(results)]
         tokens = usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results))
         self.metrics.on_tokens(tokens.prompt_tokens, tokens.completion_tokens)
-        return answers, tokens
+        return Answered(answers, tokens, [r.timings_ms for r in results])
 
-    async def _generate(self, call: GenerateCall, request: Request) -> tuple[list[Choice], Usage]:
+    async def _generate(self, call: GenerateCall, request: Request) -> Answered:
         engine = self.engine.rendered_with(dict(call.switches))
 
         def generations() -> list[Generation]:
@@ -233,7 +234,7 @@ class CompletionEndpoints:
         prompt_tokens = sum(a.prompt_tokens for a in answers[:: call.n])
         total = usage(prompt_tokens, sum(a.completion_tokens for a in answers))
         self.metrics.on_tokens(total.prompt_tokens, total.completion_tokens)
-        return choices, total
+        return Answered(choices, total, [a.timings_ms for a in answers])
 
     async def _stream_generation(self, call: GenerateCall) -> tuple[Any, asyncio.Queue[Any], threading.Event]:
         """Pieces go from the model worker to the event loop through a queue; the HTTP status is

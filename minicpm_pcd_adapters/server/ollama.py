@@ -5,9 +5,9 @@ LlamaIndex's `Ollama` run unchanged against it (`base_url` / `host` at the serve
 One more converter: an Ollama request becomes the same call a chat completion would
 (`ollama_calls.py`). The call runs on the model worker as chat's does
 (`CompletionEndpoints.run` / `.pieces`), and its answer is written in Ollama's shape: one JSON object,
-or NDJSON lines (`stream` is true unless set to false, as in Ollama) ending with `"done": true` and
-the token counts. The scored fields are in a `pcd` extension on the final object, as on chat choices;
-`logprobs` / `top_logprobs` give Ollama's `logprobs` list (a scored field's entry is its value).
+or NDJSON lines (`stream` is true unless set to false, as in Ollama) ending with `"done": true`, the
+token counts and the durations. The scored fields are in a `pcd` extension on the final object, as on
+chat choices; `logprobs` / `top_logprobs` give Ollama's `logprobs` list (a scored field's entry is its value).
 
 Errors are Ollama's body, `{"error": "..."}`.
 """
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minicpm_pcd_adapters.server.answers import usage
+from minicpm_pcd_adapters.server.answers import Answered, usage
 from minicpm_pcd_adapters.server.calls import (
     ClassifyCall,
     GenerateCall,
@@ -77,20 +77,30 @@ class OllamaWriter:
         return out
 
     def done(
-        self, reason: str, tokens: Usage | None, extension: dict[str, Any] | None = None
+        self,
+        reason: str,
+        tokens: Usage | None,
+        extension: dict[str, Any] | None = None,
+        timings_ms: Sequence[Mapping[str, float]] = (),
     ) -> dict[str, Any]:
+        """The final object. `timings_ms` are the engine answers' timings: their prompt phases
+        (prefill, and scoring's packed forward call) are `prompt_eval_duration`, their generated
+        tokens' `eval_duration`."""
         out = self.piece("")
         out.update(done=True, done_reason=reason, total_duration=time.perf_counter_ns() - self.started)
         out["load_duration"] = 0
         if tokens is not None:
             out.update(prompt_eval_count=tokens.prompt_tokens, eval_count=tokens.completion_tokens)
+            out["prompt_eval_duration"] = _nanoseconds(timings_ms, PROMPT_PHASES)
+            out["eval_duration"] = _nanoseconds(timings_ms, EVAL_PHASES)
         if extension is not None:
             out["pcd"] = extension
         return out
 
-    def whole(self, choice: Choice, tokens: Usage) -> dict[str, Any]:
+    def whole(self, answered: Answered) -> dict[str, Any]:
         """A non-streamed answer: the choice's text (or tool calls) and the final fields in one."""
-        out = self.done(_reason(choice), tokens, _extension(choice))
+        (choice,) = answered.choices
+        out = self.done(_reason(choice), answered.usage, _extension(choice), answered.timings_ms)
         out.update(self.whole_piece(choice))
         return out
 
@@ -104,6 +114,14 @@ class OllamaWriter:
     def _head(self) -> dict[str, Any]:
         created = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
         return {"model": self.model, "created_at": created}
+
+
+PROMPT_PHASES = ("prefill", "forward", "score", "rescore")  # keys of the engine's timings_ms
+EVAL_PHASES = ("decode", "generate", "retry")
+
+
+def _nanoseconds(timings_ms: Sequence[Mapping[str, float]], phases: Sequence[str]) -> int:
+    return round(sum(t.get(phase, 0.0) for t in timings_ms for phase in phases) * 1e6)
 
 
 def _reason(choice: Choice) -> str:
@@ -146,7 +164,7 @@ def _logprob(token: str, logprob: float, top: list[dict[str, Any]] | None = None
 class CallRunner(Protocol):
     """What the Ollama door needs of the server's chat endpoints (`endpoints.CompletionEndpoints`)."""
 
-    async def run(self, call: RequestCall, request: Request) -> tuple[list[Choice], Usage]: ...
+    async def run(self, call: RequestCall, request: Request) -> Answered: ...
     async def pieces(self, call: GenerateCall) -> Any: ...
 
 
@@ -205,13 +223,13 @@ class OllamaEndpoints:
         if isinstance(call, GenerateCall) and call.stream:
             first, pieces, leave = await self.runner.pieces(call)
             return _ndjson(self._streamed(writer, first, pieces, leave))
-        answers, tokens = await self.runner.run(call, request)
-        (choice,) = answers
+        answered = await self.runner.run(call, request)
         if not call.stream:
-            return JSONResponse(writer.whole(choice, tokens))
+            return JSONResponse(writer.whole(answered))
+        (choice,) = answered.choices
         lines = [
             writer.piece("") | writer.whole_piece(choice),
-            writer.done(_reason(choice), tokens, _extension(choice)),
+            writer.done(_reason(choice), answered.usage, _extension(choice), answered.timings_ms),
         ]
         return _ndjson(replayed(lines))
 
@@ -232,7 +250,7 @@ class OllamaEndpoints:
                     prompt_tokens, completion_tokens = piece.prompt_tokens or 0, piece.completion_tokens or 0
                     reason = "length" if piece.finish_reason == "length" else "stop"
                     tokens = usage(prompt_tokens, completion_tokens)
-                    yield writer.done(reason, tokens)
+                    yield writer.done(reason, tokens, timings_ms=[piece.timings_ms or {}])
         finally:
             self.metrics.on_tokens(prompt_tokens, completion_tokens)
 

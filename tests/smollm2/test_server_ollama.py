@@ -67,6 +67,8 @@ def test_the_ollama_client_lists_shows_and_answers_a_schema_as_the_engine_does(c
         assert Ticket.model_validate_json(answer.message.content) == reference.value
         assert answer.done and answer.done_reason == "stop"
         assert answer.prompt_eval_count == reference.diagnostics.prompt_tokens and answer.eval_count == 0
+        # a scored answer is one packed forward call: prompt evaluation, nothing decoded
+        assert 0 < answer.prompt_eval_duration < answer.total_duration and answer.eval_duration == 0
     raw = httpx.post(
         base + "/api/chat",
         json={
@@ -98,10 +100,13 @@ def test_chat_and_generate_stream_what_the_engine_generates(client, engine):
     assert (
         parts[-1].eval_count == want.completion_tokens and parts[-1].prompt_eval_count == want.prompt_tokens
     )
+    phases = parts[-1].prompt_eval_duration, parts[-1].eval_duration
+    assert all(phases) and sum(phases) <= parts[-1].total_duration
     generated = client.generate(
         model="smollm2", prompt="Say hello to the support team.", options={"num_predict": 6}
     )
     assert generated.response == engine.generate(asked, max_tokens=6).text
+    assert generated.prompt_eval_duration > 0 and generated.eval_duration > 0  # not streamed
     system = client.generate(
         model="smollm2", prompt="Hi", system="Answer in French.", options={"num_predict": 5}
     )
@@ -120,6 +125,7 @@ def test_tools_are_a_scored_decision(client, engine):
     assert want.tool == "lookup_order"
     (call,) = answer.message.tool_calls
     assert call.function.name == want.tool and call.function.arguments == want.arguments
+    assert answer.prompt_eval_duration > 0 and answer.eval_duration > 0  # scored, then `order_id` generated
 
 
 def test_langchain_chat_ollama_structured_output_and_tools(base, engine):

@@ -48,6 +48,39 @@ def test_stream_pieces_add_up_to_generate(engine):
     )
 
 
+class _Slow:
+    """Sleeps before the model's forward calls: `prefill` seconds for the prompt's (several tokens),
+    `step` seconds for each decoding step (one token)."""
+
+    def __init__(self, model, prefill: float, step: float) -> None:
+        self.prefill, self.step = prefill, step
+        self.handle = model.register_forward_pre_hook(self._wait, with_kwargs=True)
+
+    def _wait(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        time.sleep(self.prefill if ids.shape[1] > 1 else self.step)
+
+
+def test_timings_split_the_prompt_from_the_decoded_tokens(engine, tiny_model):
+    slow = _Slow(tiny_model, prefill=0.25, step=0.0)
+    try:
+        whole = engine.generate(MESSAGES, max_tokens=8, stop=[])
+        last = list(engine.stream(MESSAGES, max_tokens=8))[-1]
+    finally:
+        slow.handle.remove()
+    for timings in (whole.timings_ms, last.timings_ms):
+        assert timings is not None and set(timings) == {"prefill", "decode"}
+        assert timings["prefill"] >= 250 > timings["decode"]
+    slow = _Slow(tiny_model, prefill=0.0, step=0.05)
+    try:
+        whole = engine.generate(MESSAGES, max_tokens=8, stop=[])
+    finally:
+        slow.handle.remove()
+    decoded_steps = whole.completion_tokens - 1  # the first token comes with the prompt's call
+    assert decoded_steps >= 2
+    assert whole.timings_ms["decode"] >= 50 * decoded_steps > whole.timings_ms["prefill"]
+
+
 def test_stop_strings_cut_generate_and_stream(engine):
     whole = engine.generate(MESSAGES, max_tokens=16).text
     assert len(whole) > 4
