@@ -194,6 +194,8 @@ class Clock(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.Tensor:
         if self.first is None:
+            if input_ids.is_cuda:  # the prompt's kernels may still run; generate syncs right after anyway
+                torch.cuda.synchronize(input_ids.device)
             self.first = time.perf_counter()
         return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
 
