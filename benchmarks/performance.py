@@ -55,9 +55,12 @@ def run_engine(engine: PCDEngine, schema: type[BaseModel], rule: str | None = No
     return call
 
 
-def configurations(base: PCDEngine, bf16: bool) -> dict[str, tuple[PCDEngine, str | None]]:
+def configurations(
+    base: PCDEngine, bf16: bool, plain: PCDEngine | None = None
+) -> dict[str, tuple[PCDEngine, str | None]]:
     """Ours, as (engine, rule): the default, the default before issue 35 (option-cc on whole trees,
-    FP32), the cut greedy rule and, with `bf16`, the default on a bf16 copy of the weights."""
+    FP32), the cut greedy rule, with `plain` the default on `nn.Linear` weights (not packed), and with
+    `bf16` the default on a bf16 copy of the weights."""
     out: dict[str, tuple[PCDEngine, str | None]] = {
         f"ours warm (default: {base.rule.name}, {str(base.runner.dtype).removeprefix('torch.')})": (
             base,
@@ -69,6 +72,8 @@ def configurations(base: PCDEngine, bf16: bool) -> dict[str, tuple[PCDEngine, st
         ),
         "ours warm (greedy-cc)": (base, "greedy-cc"),
     }
+    if plain is not None:
+        out["ours warm (default, nn.Linear weights: before packing)"] = (plain, None)
     if bf16 and base.runner.dtype != torch.bfloat16:
         fast = PCDEngine(copy.deepcopy(base.model).to(torch.bfloat16), base.tokenizer, rule=base.rule)
         out[f"ours warm (default: {base.rule.name}, bfloat16)"] = (fast, None)
@@ -76,10 +81,19 @@ def configurations(base: PCDEngine, bf16: bool) -> dict[str, tuple[PCDEngine, st
 
 
 def latency(
-    base: PCDEngine, name: str, limit: int, greedy_limit: int, llama: Any = None, bf16: bool = False
+    base: PCDEngine,
+    name: str,
+    limit: int,
+    greedy_limit: int,
+    llama: Any = None,
+    bf16: bool = False,
+    plain: PCDEngine | None = None,
 ) -> dict[str, Any]:
+    """Per-text latency and accuracy of ours and the baselines. The transformers baselines (AR JSON)
+    run on `plain`'s model, `nn.Linear` weights as transformers users run it, where given."""
     schema, rows = load_set(name, limit)
-    ours = configurations(base, bf16)
+    ours = configurations(base, bf16, plain)
+    ar = plain or base
     cold = PCDEngine(base.model, base.tokenizer, prefix_cache=False)
     for engine, rule in [*ours.values(), (cold, None)]:  # the plan and its prior outside the timing
         engine.classify("warm-up", schema, rule=rule)
@@ -95,8 +109,8 @@ def latency(
         warm(llama, base, schema)
         systems[SYSTEM] = run_llamacpp(llama, base, schema, AR_TOKENS[name])
     systems |= {
-        "AR JSON xgrammar": run_ar(base, schema, AR_TOKENS[name], xgrammar_grammar(base, schema)),
-        "AR JSON greedy": run_ar(base, schema, AR_TOKENS[name]),
+        "AR JSON xgrammar": run_ar(ar, schema, AR_TOKENS[name], xgrammar_grammar(ar, schema)),
+        "AR JSON greedy": run_ar(ar, schema, AR_TOKENS[name]),
     }
     out = {}
     for label, call in systems.items():
@@ -404,6 +418,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = load_smollm2()
+    plain = load_smollm2(pack_weights=False) if "latency" not in args.skip else None
     llama = None
     if args.llamacpp:
         from benchmarks.llamacpp import describe, load_llama
@@ -412,7 +427,7 @@ def main() -> None:
         report["llamacpp"] = describe(llama)
     if "latency" not in args.skip:
         for name in AR_TOKENS:
-            report[name] = latency(engine, name, args.limit, args.greedy_limit, llama, args.bf16)
+            report[name] = latency(engine, name, args.limit, args.greedy_limit, llama, args.bf16, plain)
             print_latency(name, report[name])
     if "breakdown" not in args.skip:
         for name in AR_TOKENS:

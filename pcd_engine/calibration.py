@@ -33,6 +33,7 @@ from safetensors.torch import save as save_tensors
 from pcd_engine.errors import CalibrationError
 from pcd_engine.heads import FieldHead, with_logits
 from pcd_engine.hidden import HiddenStates
+from pcd_engine.packed_weights import dense_weight
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.results import FieldResult
 
@@ -103,7 +104,7 @@ def model_identity(
         params[round(i * (len(params) - 1) / max(probes - 1, 1))] for i in range(min(probes, len(params)))
     ]
     with torch.no_grad():
-        probe = tuple(float(p.detach().reshape(-1)[:width].float().norm()) for p in picked)
+        probe = tuple(float(dense_weight(p.detach()).reshape(-1)[:width].float().norm()) for p in picked)
     name = str(data.get("_name_or_path") or type(model).__name__)
     if precision is None:
         precision = str(next(model.parameters()).dtype).removeprefix("torch.")
