@@ -97,7 +97,7 @@ class PCDEngine(LearningMixin, ChatMixin):
     where a second call pays, many-valued fields on cut trees first and their best values whole in it,
     and a tool's arguments only once it is chosen (gates.py); False: one pass over every tree),
     `pack_weights` (True: on a CPU, the model's linear layers are swapped in place for ones whose
-    weights oneDNN lays out once, the same arithmetic about 1.5x faster (packed_weights.py); False:
+    weights oneDNN lays out once, the same arithmetic about 1.25-1.45x faster (packed_weights.py); False:
     the model is left as given)."""
 
     def __init__(
