@@ -58,18 +58,13 @@ def run_engine(engine: PCDEngine, schema: type[BaseModel], rule: str | None = No
 def configurations(
     base: PCDEngine, bf16: bool, plain: PCDEngine | None = None
 ) -> dict[str, tuple[PCDEngine, str | None]]:
-    """Ours, as (engine, rule): the default, the default before issue 35 (option-cc on whole trees,
-    FP32), the cut greedy rule, with `plain` the default on `nn.Linear` weights (not packed), and with
-    `bf16` the default on a bf16 copy of the weights."""
+    """Ours, as (engine, rule): the default, the default before issue 35 (option-cc on whole trees), the
+    cut greedy rule, the default on `plain`'s `nn.Linear` weights and on a bf16 copy (`bf16`)."""
+    dtype = str(base.runner.dtype).removeprefix("torch.")
+    whole = PCDEngine(base.model, base.tokenizer, shortlist=False)
     out: dict[str, tuple[PCDEngine, str | None]] = {
-        f"ours warm (default: {base.rule.name}, {str(base.runner.dtype).removeprefix('torch.')})": (
-            base,
-            None,
-        ),
-        "ours warm (option-cc, whole trees, fp32: before)": (
-            PCDEngine(base.model, base.tokenizer, shortlist=False),
-            "option-cc",
-        ),
+        f"ours warm (default: {base.rule.name}, {dtype})": (base, None),
+        "ours warm (option-cc, whole trees, fp32: before)": (whole, "option-cc"),
         "ours warm (greedy-cc)": (base, "greedy-cc"),
     }
     if plain is not None:
@@ -80,20 +75,10 @@ def configurations(
     return out
 
 
-def latency(
-    base: PCDEngine,
-    name: str,
-    limit: int,
-    greedy_limit: int,
-    llama: Any = None,
-    bf16: bool = False,
-    plain: PCDEngine | None = None,
-) -> dict[str, Any]:
-    """Per-text latency and accuracy of ours and the baselines. The transformers baselines (AR JSON)
-    run on `plain`'s model, `nn.Linear` weights as transformers users run it, where given."""
-    schema, rows = load_set(name, limit)
-    ours = configurations(base, bf16, plain)
-    ar = plain or base
+def latency(base: PCDEngine, plain: PCDEngine, name: str, args: Any, llama: Any = None) -> dict[str, Any]:
+    """Ours and the baselines; the AR JSON ones on `plain` (`nn.Linear` weights, as transformers runs)."""
+    schema, rows = load_set(name, args.limit)
+    ours = configurations(base, args.bf16, plain)
     cold = PCDEngine(base.model, base.tokenizer, prefix_cache=False)
     for engine, rule in [*ours.values(), (cold, None)]:  # the plan and its prior outside the timing
         engine.classify("warm-up", schema, rule=rule)
@@ -109,12 +94,12 @@ def latency(
         warm(llama, base, schema)
         systems[SYSTEM] = run_llamacpp(llama, base, schema, AR_TOKENS[name])
     systems |= {
-        "AR JSON xgrammar": run_ar(ar, schema, AR_TOKENS[name], xgrammar_grammar(ar, schema)),
-        "AR JSON greedy": run_ar(ar, schema, AR_TOKENS[name]),
+        "AR JSON xgrammar": run_ar(plain, schema, AR_TOKENS[name], xgrammar_grammar(plain, schema)),
+        "AR JSON greedy": run_ar(plain, schema, AR_TOKENS[name]),
     }
     out = {}
     for label, call in systems.items():
-        subset = rows[:greedy_limit] if label == "AR JSON greedy" else rows
+        subset = rows[: args.greedy_limit] if label == "AR JSON greedy" else rows
         out[label] = evaluate([call(row["text"]) for row in subset], subset)
         print(f"[{name}] {label}: median {out[label]['median_ms']:.0f} ms", file=sys.stderr, flush=True)
     return out
@@ -418,7 +403,6 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = load_smollm2()
-    plain = load_smollm2(pack_weights=False) if "latency" not in args.skip else None
     llama = None
     if args.llamacpp:
         from benchmarks.llamacpp import describe, load_llama
@@ -426,8 +410,9 @@ def main() -> None:
         llama = load_llama(args.threads)
         report["llamacpp"] = describe(llama)
     if "latency" not in args.skip:
+        plain = load_smollm2(pack_weights=False)
         for name in AR_TOKENS:
-            report[name] = latency(engine, name, args.limit, args.greedy_limit, llama, args.bf16, plain)
+            report[name] = latency(engine, plain, name, args, llama)
             print_latency(name, report[name])
     if "breakdown" not in args.skip:
         for name in AR_TOKENS:
