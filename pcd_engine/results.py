@@ -136,9 +136,8 @@ class Generation:
 @dataclass(frozen=True)
 class GenerationChunk:
     """One piece of `PCDEngine.stream`; the last has the finish reason, the token counts and the
-    timings (as `Generation`'s). With
-    `logprobs=`, each chunk carries the tokens decoded since the previous one (their texts together
-    are the stream's text, up to a stop string)."""
+    timings (as `Generation`'s). With `logprobs=`, each chunk carries the tokens decoded since the
+    previous one (their texts together are the stream's text, up to a stop string)."""
 
     text: str
     finish_reason: str | None = None
