@@ -37,6 +37,7 @@ from pcd_engine.conversation import system_texts
 from pcd_engine.errors import CalibrationError, PCDError, PrecisionCheckError
 from pcd_engine.filling import JsonFiller
 from pcd_engine.generate import Generator, Sampling
+from pcd_engine.grouped_attention import use_grouped_attention
 from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
 from pcd_engine.options import ClassifyOptions, PlanOptions, RequestOptions
@@ -97,7 +98,8 @@ class PCDEngine(LearningMixin, ChatMixin):
     where a second call pays, many-valued fields on cut trees first and their best values whole in it,
     and a tool's arguments only once it is chosen (gates.py); False: one pass over every tree),
     `pack_weights` (True: on a CPU, the model's linear layers are swapped in place for ones whose
-    weights oneDNN lays out once, the same arithmetic about 1.25-1.45x faster (packed_weights.py); False:
+    weights oneDNN lays out once, the same arithmetic about 1.25-1.45x faster (packed_weights.py), and a
+    model with grouped key/value heads reads them in place in attention (grouped_attention.py); False:
     the model is left as given)."""
 
     def __init__(
@@ -125,10 +127,10 @@ class PCDEngine(LearningMixin, ChatMixin):
         shortlist: ShortlistPolicy | bool = True,
         pack_weights: bool = True,
     ) -> None:
-        if pack_weights:  # on a CPU: the same arithmetic, faster (packed_weights.py)
-            pack_linears(model)
-            if reference_model is not None:
-                pack_linears(reference_model)
+        if pack_weights:  # on a CPU: the same arithmetic, faster (packed_weights.py, grouped_attention.py)
+            for each in (model, reference_model) if reference_model is not None else (model,):
+                pack_linears(each)
+                use_grouped_attention(each)
         self.model = model
         self.tokenizer = tokenizer
         # the options `rendered_with` builds siblings with

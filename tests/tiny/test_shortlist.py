@@ -167,7 +167,10 @@ def test_the_second_pass_continues_the_first_calls_kv_and_feeds_only_the_tails(e
     want, _, _, again, _ = _passes(shortlisted, plan, prompts, keep=False)
     assert all(k is not None for k in kept) and len({id(k[0]) for k in kept}) == 1  # one first call
     for g, w, pick, f, s, a, prompt in zip(got, want, picks, first, stats, again, prompts, strict=True):
-        assert g["queue"].log_scores == pytest.approx(w["queue"].log_scores, abs=1e-5)
+        # float32 sums taken in another order (the calls' shapes differ, and so do the kernels' splits
+        # by CPU: 1.1e-5 measured on an AVX512-FP16 Xeon); a tail fed at a wrong position or seeing a
+        # wrong ancestor moves a score by orders of magnitude more
+        assert g["queue"].log_scores == pytest.approx(w["queue"].log_scores, abs=1e-4)
         assert g["queue"].value == w["queue"].value
         tails = [continuation_of(queue.tree, queue.whole, c) for c in pick]
         assert s.forward_calls == a.forward_calls == f.forward_calls + 1  # one second call either way
