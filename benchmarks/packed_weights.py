@@ -1,5 +1,5 @@
 """Linear layers packed for oneDNN (pcd_engine/packed_weights.py) against `nn.Linear`, in one run:
-two engines on SmolLM2 (float32, CPU), `pack_weights=True` (the default) and `False`, timed text by
+two engines on SmolLM2 (float32, CPU), `pack_weights=True` and `False`, timed text by
 text in alternation (which goes first alternates too), warm.
 
 Printed per workload: each side's median ms and the median of the per-text ratios (plain / packed):
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--agree", type=int, default=300, help="rows per set compared for agreement")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    engines = {"plain": load_smollm2(pack_weights=False), "packed": load_smollm2()}
+    engines = {"plain": load_smollm2(pack_weights=False), "packed": load_smollm2(pack_weights=True)}
     plain, packed = engines["plain"], engines["packed"]
     out: dict[str, Any] = {}
     for name in SETS:

@@ -68,7 +68,7 @@ def configurations(
         "ours warm (greedy-cc)": (base, "greedy-cc"),
     }
     if plain is not None:
-        out["ours warm (default, nn.Linear weights: before packing)"] = (plain, None)
+        out["ours warm (default, pack_weights=False: nn.Linear, KV heads repeated)"] = (plain, None)
     if bf16 and base.runner.dtype != torch.bfloat16:
         fast = PCDEngine(copy.deepcopy(base.model).to(torch.bfloat16), base.tokenizer, rule=base.rule)
         out[f"ours warm (default: {base.rule.name}, bfloat16)"] = (fast, None)

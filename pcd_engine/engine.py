@@ -42,7 +42,7 @@ from pcd_engine.learning import LearningMixin
 from pcd_engine.loading import load_with_reference
 from pcd_engine.options import ClassifyOptions, PlanOptions, RequestOptions
 from pcd_engine.output_types import DICT_MODELS, output_type
-from pcd_engine.packed_weights import pack_linears
+from pcd_engine.packed_weights import pack_linears, pays
 from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import PlanCache, SchemaPlan
 from pcd_engine.prompt import ChatPrompt, TextInput, input_layout
@@ -97,10 +97,11 @@ class PCDEngine(LearningMixin, ChatMixin):
     against injected text), `shortlist` (True: `ShortlistPolicy.for_device`, or a `ShortlistPolicy`:
     where a second call pays, many-valued fields on cut trees first and their best values whole in it,
     and a tool's arguments only once it is chosen (gates.py); False: one pass over every tree),
-    `pack_weights` (True: on a CPU, the model's linear layers are swapped in place for ones whose
-    weights oneDNN lays out once, the same arithmetic about 1.25-1.45x faster (packed_weights.py), and a
-    model with grouped key/value heads reads them in place in attention (grouped_attention.py); False:
-    the model is left as given)."""
+    `pack_weights` (None: on a CPU where it is faster, timed once on the model's shapes, the model's
+    linear layers are swapped in place for ones whose weights oneDNN lays out once, the same arithmetic
+    (packed_weights.py: 1.25-1.45x faster on an AMD EPYC, slower on an Intel Xeon with MKL); True:
+    wherever it applies; either way a model with grouped key/value heads reads them in place in
+    attention (grouped_attention.py); False: the model is left as given)."""
 
     def __init__(
         self,
@@ -125,11 +126,12 @@ class PCDEngine(LearningMixin, ChatMixin):
         allow_empty_text: bool = False,
         text_framing: str = "turn",
         shortlist: ShortlistPolicy | bool = True,
-        pack_weights: bool = True,
+        pack_weights: bool | None = None,
     ) -> None:
-        if pack_weights:  # on a CPU: the same arithmetic, faster (packed_weights.py, grouped_attention.py)
+        if pack_weights is not False:  # on a CPU: the same arithmetic, faster (packed_weights.py)
             for each in (model, reference_model) if reference_model is not None else (model,):
-                pack_linears(each)
+                if pack_weights or pays(each):
+                    pack_linears(each)
                 use_grouped_attention(each)
         self.model = model
         self.tokenizer = tokenizer

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from pcd_engine import PCDEngine
 from pcd_engine.calibration import model_identity
-from pcd_engine.packed_weights import PackedLinear, applies, pack_linears
+from pcd_engine.packed_weights import PackedLinear, applies, pack_linears, pays
 from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.skipif(not applies(torch.nn.Linear(2, 2)), reason="this PyTorch has no oneDNN")
@@ -91,10 +91,10 @@ def test_a_packed_model_gives_the_same_logits_and_keeps_its_ties_identity_and_st
     assert not half.model.layers[0].mlp.up_proj.weight.is_mkldnn
 
 
-def test_an_engine_packs_its_model_unless_told_not_to_and_answers_alike(tiny_tokenizer):
+def test_an_engine_packs_its_model_when_told_to_and_answers_alike(tiny_tokenizer):
     model = tiny_llama(len(tiny_tokenizer), seed=5)
     plain = copy.deepcopy(model)
-    packed_engine = PCDEngine(model, tiny_tokenizer)
+    packed_engine = PCDEngine(model, tiny_tokenizer, pack_weights=True)
     plain_engine = PCDEngine(plain, tiny_tokenizer, pack_weights=False)
     assert isinstance(model.model.layers[0].self_attn.o_proj, PackedLinear)
     assert type(plain.model.layers[0].self_attn.o_proj) is torch.nn.Linear
@@ -108,3 +108,25 @@ def test_an_engine_packs_its_model_unless_told_not_to_and_answers_alike(tiny_tok
                 assert p == pytest.approx(b.fields[path].probabilities[value], abs=1e-5)
     asked = [{"role": "user", "content": TEXTS[0]}]
     assert packed_engine.generate(asked, max_tokens=8).text == plain_engine.generate(asked, max_tokens=8).text
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_by_default_an_engine_packs_where_timing_says_packing_is_faster(tiny_tokenizer, monkeypatch, faster):
+    import pcd_engine.engine
+
+    model = tiny_llama(len(tiny_tokenizer), seed=5)
+    timed = []
+    monkeypatch.setattr(pcd_engine.engine, "pays", lambda m: timed.append(m) or faster)
+    PCDEngine(model, tiny_tokenizer)
+    assert timed == [model] and isinstance(model.lm_head, PackedLinear) is faster
+    PCDEngine(tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, pack_weights=True)
+    assert timed == [model]  # True packs without timing
+
+
+def test_timing_packed_weights_leaves_the_model_as_it_is_and_answers_a_bool(tiny_tokenizer):
+    model = tiny_llama(len(tiny_tokenizer), seed=5)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pays(model) in (True, False)
+    assert all(type(m) is not PackedLinear for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert pays(model.to(torch.float16)) is False  # packing does not apply
