@@ -128,9 +128,12 @@ class PCDEngine(LearningMixin, ChatMixin):
         shortlist: ShortlistPolicy | bool = True,
         pack_weights: bool | None = None,
     ) -> None:
-        if pack_weights is not False:  # on a CPU: the same arithmetic, faster (packed_weights.py)
+        as_given = pack_weights is False
+        if pack_weights is None:  # timed once, here: siblings get the answer through `_options`
+            pack_weights = pays(model)
+        if not as_given:  # on a CPU: the same arithmetic, faster (packed_weights.py)
             for each in (model, reference_model) if reference_model is not None else (model,):
-                if pack_weights or pays(each):
+                if pack_weights:
                     pack_linears(each)
                 use_grouped_attention(each)
         self.model = model

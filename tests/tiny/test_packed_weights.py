@@ -117,8 +117,9 @@ def test_by_default_an_engine_packs_where_timing_says_packing_is_faster(tiny_tok
     model = tiny_llama(len(tiny_tokenizer), seed=5)
     timed = []
     monkeypatch.setattr(pcd_engine.engine, "pays", lambda m: timed.append(m) or faster)
-    PCDEngine(model, tiny_tokenizer)
+    engine = PCDEngine(model, tiny_tokenizer)
     assert timed == [model] and isinstance(model.lm_head, PackedLinear) is faster
+    assert engine._options["pack_weights"] is faster  # siblings (rendered_with) reuse the answer
     PCDEngine(tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, pack_weights=True)
     assert timed == [model]  # True packs without timing
 
