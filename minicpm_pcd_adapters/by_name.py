@@ -8,13 +8,16 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from minicpm_pcd_adapters.minicpm import load_minicpm5
 from minicpm_pcd_adapters.smollm2 import load_smollm2
-from pcd_engine import PCDEngine, output_type
+from pcd_engine import output_type
+
+if TYPE_CHECKING:  # imported where the engine is built: `pcd` answers before PyTorch loads
+    from pcd_engine import PCDEngine
 
 MODELS = {"minicpm5-2b": load_minicpm5, "smollm2": load_smollm2}
 
@@ -69,4 +72,6 @@ def load_engine(model: str, **options: Any) -> PCDEngine:
     options = {k: v for k, v in options.items() if v is not None}
     if model.lower() in MODELS:
         return MODELS[model.lower()](**options)
+    from pcd_engine import PCDEngine
+
     return PCDEngine.from_pretrained(model, **options)

@@ -17,9 +17,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pcd_engine import PCDEngine, PCDError
+from pcd_engine import PCDError
+
+if TYPE_CHECKING:
+    from pcd_engine import PCDEngine
 
 JSON_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 T = TypeVar("T")

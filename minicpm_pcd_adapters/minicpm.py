@@ -6,11 +6,12 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where an engine is built: `pcd` answers before PyTorch loads
+    import torch
 
-from pcd_engine import PCDEngine
+    from pcd_engine import PCDEngine
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ def load_minicpm5(
     pinned = revision or (MINICPM5_2B.revision if source == MINICPM5_2B.hub_id else None)
     options.setdefault("chat_template_kwargs", MINICPM5_2B.chat_template_kwargs)
     options.setdefault("stop_token_ids", MINICPM5_2B.eos_token_ids)
+    from pcd_engine import PCDEngine
+
     return PCDEngine.from_pretrained(
         source, revision=pinned, device=device, dtype=dtype or MINICPM5_2B.dtype, **options
     )
@@ -87,4 +90,6 @@ def engine_for_model(
     file as it is."""
     if model == MINICPM5_2B.hub_id and gguf_file is None:
         return load_minicpm5(revision=revision, **options)
+    from pcd_engine import PCDEngine
+
     return PCDEngine.from_pretrained(model, revision=revision, gguf_file=gguf_file, **options)

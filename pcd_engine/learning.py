@@ -25,7 +25,7 @@ from pcd_engine.pipeline import Pipeline
 from pcd_engine.plan import SchemaPlan
 from pcd_engine.request import Request, rendered
 from pcd_engine.results import FieldResult
-from pcd_engine.suggestions import SHARE, LabelSuggestions, Suggestion, check_suggest, pick
+from pcd_engine.suggestions import SUGGESTION_SHARE, LabelSuggestions, Suggestion, check_suggest, pick
 
 
 class LearningMixin:
@@ -159,7 +159,7 @@ class LearningMixin:
         by: str = "margin",
         calibration: Calibration | None = None,
         labeled: Sequence[str | Conversation] = (),
-        share: float = SHARE,
+        share: float = SUGGESTION_SHARE,
         seed: int = 0,
         progress: Callable[[int], None] | None = None,
         **options: Unpack[PlanOptions],

@@ -33,7 +33,7 @@ from pcd_engine.results import FieldResult
 from pcd_engine.schema import JSONScalar
 
 MEASURES = ("margin", "entropy")
-SHARE = 0.3  # the random share of the suggestions (docs/benchmarks.md: suggested against random labels)
+SUGGESTION_SHARE = 0.3  # the random share (docs/benchmarks.md: suggested against random labels)
 DIMS = 32  # principal directions of the hidden states the distances are measured in
 
 
@@ -63,7 +63,7 @@ def _uncertainty(f: FieldResult, by: str) -> float:
     return entropy / math.log(len(f.probabilities))
 
 
-def check_suggest(count: int, by: str, share: float = SHARE) -> None:
+def check_suggest(count: int, by: str, share: float = SUGGESTION_SHARE) -> None:
     """ValueError for a count, measure or share `pick` cannot use (run before any text is scored)."""
     if by not in MEASURES:
         raise ValueError(f"by must be one of {MEASURES}, got {by!r}")
@@ -79,7 +79,7 @@ def pick(
     count: int,
     *,
     by: str = "margin",
-    share: float = SHARE,
+    share: float = SUGGESTION_SHARE,
     labeled: Sequence[torch.Tensor] = (),
     seed: int = 0,
 ) -> list[Picked]:

@@ -7,12 +7,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, Setup, fail, input_options, set_up
-from pcd_engine import Calibration, Evaluation, PCDError, evaluate_each
+from pcd_engine import PCDError
+
+if TYPE_CHECKING:
+    from pcd_engine import Calibration, Evaluation
 
 
 def add_parser(sub: Any) -> None:
@@ -84,6 +87,7 @@ def import_plots() -> Any:
 def run(setup: Setup, args: argparse.Namespace) -> int:
     plots = import_plots()
     from minicpm_pcd_adapters.report import write_report  # Jinja2 beside matplotlib: the [eval] extra
+    from pcd_engine import evaluate_each  # with the engine: PyTorch is loaded by now
 
     engine, schema, rows, calibration, options = (
         setup.engine, setup.schema, setup.rows, setup.calibration, setup.options

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minicpm_pcd_adapters.by_name import MODELS, load_engine, load_schema
 from minicpm_pcd_adapters.minicpm import MINICPM5_2B
@@ -27,10 +27,12 @@ from pcd_engine import (
     CalibrationError,
     CompiledSchema,
     Limits,
-    PCDEngine,
     PCDError,
     compile_schema,
 )
+
+if TYPE_CHECKING:
+    from pcd_engine import PCDEngine
 
 # what a command turns into exit code 2 (usage, path, schema or loading errors)
 SETUP_ERRORS = (PCDError, ImportError, AttributeError, TypeError, ValueError, OSError)

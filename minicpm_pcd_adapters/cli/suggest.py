@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from minicpm_pcd_adapters.cli.options import SETUP_ERRORS, Setup, fail, input_options, set_up
 from minicpm_pcd_adapters.files import iter_inputs, write_errors
-from pcd_engine import SUGGESTION_SHARE as SHARE
+from pcd_engine import SUGGESTION_SHARE
 
 
 def add_parser(sub: Any) -> None:
@@ -35,8 +35,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--labeled", default=None, help="JSONL of texts labeled so far (a labeled file, "
                         "or earlier suggestions): never suggested again, and the new texts are picked "
                         "unlike them (a round: --calibration fitted on them, --labeled)")  # fmt: skip
-    parser.add_argument("--share", type=float, default=SHARE, help="share of the texts drawn at random, "
-                        f"which keeps the labels a sample (default {SHARE})")  # fmt: skip
+    parser.add_argument("--share", type=float, default=SUGGESTION_SHARE, help="share of the texts drawn at "
+                        f"random, which keeps the labels a sample (default {SUGGESTION_SHARE})")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the random draws (default 0)")
 
 

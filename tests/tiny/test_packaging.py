@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,38 @@ def test_core_imports_no_framework():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+HEAVY = ("transformers", "pcd_engine.engine", "pcd_engine.generate")
+SHOW_HEAVY = (
+    "import sys\n"
+    "from minicpm_pcd_adapters.cli.main import main\n"
+    "try:\n"
+    "    main(sys.argv[1:])\n"
+    "except SystemExit:\n"
+    "    pass\n"
+    f"print('heavy:', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+)
+
+
+def test_the_pcd_command_refuses_bad_input_before_transformers_is_imported(tmp_path):
+    """pcd_engine's names load on first use (lazy_loader, from __init__.pyi): `pcd --help` and a
+    refusal before the model loads import neither transformers nor the engine."""
+    missing = ["--input", str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o.jsonl")]
+    for args in (["--help"], ["classify", "--schema", "examples/ticket.py:Ticket", *missing]):
+        done = subprocess.run([sys.executable, "-c", SHOW_HEAVY, *args], capture_output=True, text=True)
+        assert "heavy: []" in done.stdout, (args, done.stdout[-500:], done.stderr[-2000:])
+    assert "no such file" in done.stderr
+
+
+def test_every_public_name_resolves_and_the_stub_lists_them_all():
+    stub = ast.parse((Path(pcd_engine.__file__).parent / "__init__.pyi").read_text())
+    assigned = [n for n in stub.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__"]
+    assert set(ast.literal_eval(assigned[0].value)) == set(pcd_engine.__all__)
+    for name in pcd_engine.__all__:
+        assert getattr(pcd_engine, name) is not None, name
+    with pytest.raises(AttributeError):
+        pcd_engine.NotAName  # noqa: B018
 
 
 def test_public_api_is_pinned():
