@@ -24,6 +24,7 @@ def test_core_imports_no_framework():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("transformers", "pcd_engine.engine", "pcd_engine.generate")
 SHOW_HEAVY = (
     "import sys\n"
@@ -41,7 +42,8 @@ def test_the_pcd_command_refuses_bad_input_before_transformers_is_imported(tmp_p
     refusal before the model loads import neither transformers nor the engine."""
     missing = ["--input", str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o.jsonl")]
     for args in (["--help"], ["classify", "--schema", "examples/ticket.py:Ticket", *missing]):
-        done = subprocess.run([sys.executable, "-c", SHOW_HEAVY, *args], capture_output=True, text=True)
+        command = [sys.executable, "-c", SHOW_HEAVY, *args]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)  # a relative schema path
         assert "heavy: []" in done.stdout, (args, done.stdout[-500:], done.stderr[-2000:])
     assert "no such file" in done.stderr
 
