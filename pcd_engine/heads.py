@@ -194,6 +194,26 @@ class Basis:
         return FieldHead(values, block, tree, fitted.scale, bias, fitted.weight, self.mean, self.std, 1.0, l2)
 
 
+class Bases:
+    """`Basis.of`, once per distinct matrix. Every field of a schema reads the same text blocks
+    (`text_last`, `text_middle`) of the same rows, cut in the same folds, so without this their
+    bases (a QR each) were computed once per field. Matrices are matched by shape and sum, then
+    compared whole: an equal matrix gets the very same basis, so answers are unchanged."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[tuple[int, ...], float], list[tuple[torch.Tensor, Basis]]] = {}
+
+    def of(self, x: torch.Tensor) -> Basis:
+        x = x.double()
+        same = self._seen.setdefault((tuple(x.shape), float(x.sum())), [])
+        for seen, basis in same:
+            if torch.equal(seen, x):
+                return basis
+        basis = Basis.of(x)
+        same.append((x, basis))
+        return basis
+
+
 def fit_config(
     values: tuple[str, ...],
     z: torch.Tensor,
@@ -215,7 +235,8 @@ class L2Path:
     (block, strength) in the order tried per block. The strengths go from the strongest penalty
     down, each fit starting where its own fit at the strength before stopped (the first from
     `start`, a fit on every row, if given). With `stop_rising`, a block's path ends at the first
-    strength whose cross-validated log-loss is above the one before it. `run_paths` fits it."""
+    strength whose cross-validated log-loss is above the one before it. `bases`, shared with other
+    paths, computes each distinct matrix's basis once. `run_paths` fits it."""
 
     def __init__(
         self,
@@ -226,13 +247,15 @@ class L2Path:
         grid: Sequence[float],
         start: Linear | None = None,
         stop_rising: bool = False,
+        bases: Bases | None = None,
     ) -> None:
         self.z, self.features, self.labels, self.stop_rising = z, features, labels, stop_rising
         tags = torch.tensor(fold)
         self.tests = [tags == k for k in sorted(set(fold))]
         self.subsets = [torch.ones_like(tags, dtype=torch.bool)] + [~t for t in self.tests]
-        self.bases = {block: Basis.of(x) for block, x in features.items()}
-        self.parts = {block: [Basis.of(x[~test]) for test in self.tests] for block, x in features.items()}
+        bases = bases or Bases()
+        self.bases = {block: bases.of(x) for block, x in features.items()}
+        self.parts = {block: [bases.of(x[~test]) for test in self.tests] for block, x in features.items()}
         self.rows = {block: [b.rows for b in self.bases_of(block)] for block in features}  # all, complements
         self.warm: dict[str, Sequence[Linear | None]] = {
             block: [basis.start(start) if start else None for basis in self.bases_of(block)]
@@ -333,8 +356,9 @@ def fit_heads(tasks: Sequence[HeadTask]) -> list[HeadFit]:
     if any(not t.features for t in tasks):
         raise ValueError("fit_heads needs at least one feature block per field")
     features = [{block: x.double() for block, x in t.features.items()} for t in tasks]
+    bases = Bases()  # shared by the fields: their text blocks are the same rows
     coarse = [
-        L2Path(t.z, f, t.labels, t.fold, L2_GRID, stop_rising=True)
+        L2Path(t.z, f, t.labels, t.fold, L2_GRID, stop_rising=True, bases=bases)
         for t, f in zip(tasks, features, strict=True)
     ]
     run_paths(coarse)
@@ -348,7 +372,9 @@ def fit_heads(tasks: Sequence[HeadTask]) -> list[HeadFit]:
         chosen.append((block, l2, {f"{b}/{strength:g}": losses[b, strength] for b, strength in order}))
         if task.temperature_fold is not None and list(task.temperature_fold) != list(task.fold):
             x = {block: features[i][block]}
-            fine[i] = L2Path(task.z, x, task.labels, task.temperature_fold, (l2,), path.every[block, l2])
+            fine[i] = L2Path(
+                task.z, x, task.labels, task.temperature_fold, (l2,), path.every[block, l2], bases=bases
+            )
     run_paths(list(fine.values()))
     out = []
     for i, (task, path, (block, l2, tried)) in enumerate(zip(tasks, coarse, chosen, strict=True)):

@@ -161,6 +161,39 @@ def test_fields_fitted_together_get_the_heads_each_gets_alone():
         assert joint.head.temperature == pytest.approx(alone.head.temperature, abs=1e-6)
 
 
+def test_fields_reading_the_same_text_rows_share_their_bases_and_get_the_heads_each_gets_alone(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Every field of a schema reads the same text blocks of the same rows: their bases (a QR each)
+    are computed once, and each field's head is the one it gets fitted alone."""
+    generator = torch.Generator().manual_seed(11)
+    n, dims = 60, 8
+    text = torch.randn(n, dims, generator=generator, dtype=torch.float64)
+    tasks = []
+    for k, seed in ((3, 1), (2, 4)):
+        labels = torch.arange(n) % k
+        fork = torch.randn(n, dims, generator=generator, dtype=torch.float64)
+        fork[:, seed] += labels.double() * 2
+        z = torch.randn(n, k, generator=generator, dtype=torch.float64)
+        features = {"fork": fork, "text_last": text.clone()}  # equal rows, another tensor
+        tasks.append(HeadTask(tuple("abc"[:k]), 0, z, features, labels, folds_of(n, 5), folds_of(n, 20)))
+    alone = [fit_heads([task])[0] for task in tasks]
+    computed = []
+    real = Basis.of.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(Basis, "of", classmethod(lambda cls, x: computed.append(x) or real(cls, x)))
+    together = fit_heads(tasks)
+    distinct = [x for i, x in enumerate(computed) if not any(torch.equal(x, y) for y in computed[:i])]
+    assert len(computed) == len(distinct)  # no matrix's basis computed twice
+    coarse = 2 * (1 + 5) + (1 + 5)  # two forks and the shared text, each on every row and 5 complements
+    assert coarse <= len(computed) <= coarse + 2 * 21  # the finer folds: at most each field's own 21
+    for joint, own in zip(together, alone, strict=True):
+        assert (joint.head.block, joint.head.l2) == (own.head.block, own.head.l2)
+        assert joint.tried == own.tried
+        assert torch.equal(joint.out_of_fold, own.out_of_fold)
+        assert torch.equal(joint.head.weight, own.head.weight)
+        assert joint.head.temperature == own.head.temperature
+
+
 def test_the_confidence_step_fixes_underconfident_answers_and_changes_none():
     generator = torch.Generator().manual_seed(2)
     labels = torch.randint(0, 4, (200,), generator=generator)
