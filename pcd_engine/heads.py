@@ -189,9 +189,12 @@ class Basis:
         return dataclasses.replace(fitted, weight=fitted.weight @ self.directions.T)
 
     def head(self, values: tuple[str, ...], block: str, tree: int, fitted: Linear, l2: float) -> FieldHead:
+        """The head, owning its tensors: fields that share this basis (`Bases`) get copies of its
+        mean and std (a saved calibration's tensors may not share memory)."""
         assert fitted.weight is not None
         bias = tuple(fitted.bias.tolist())
-        return FieldHead(values, block, tree, fitted.scale, bias, fitted.weight, self.mean, self.std, 1.0, l2)
+        mean, std = self.mean.clone(), self.std.clone()
+        return FieldHead(values, block, tree, fitted.scale, bias, fitted.weight, mean, std, 1.0, l2)
 
 
 class Bases:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pcd_engine import FieldHead, metrics
-from pcd_engine.calibration import FieldCalibration
+from pcd_engine.calibration import Calibration, FieldCalibration, ModelIdentity
 from pcd_engine.fitting import (
     METHODS,
     FieldData,
@@ -192,6 +192,39 @@ def test_fields_reading_the_same_text_rows_share_their_bases_and_get_the_heads_e
         assert torch.equal(joint.out_of_fold, own.out_of_fold)
         assert torch.equal(joint.head.weight, own.head.weight)
         assert joint.head.temperature == own.head.temperature
+
+
+def test_heads_fitted_on_one_shared_text_basis_save_and_load(tmp_path):
+    """Two fields whose heads both read the same text rows share a basis while fitting; each head
+    still owns its tensors, so the calibration saves (safetensors refuses shared memory) and loads."""
+    generator = torch.Generator().manual_seed(5)
+    n, dims = 40, 6
+    text = torch.randn(n, dims, generator=generator, dtype=torch.float64)
+    for k in (2, 3):
+        text[:, k] += (torch.arange(n) % k).double()  # both fields' labels show in the same rows
+    tasks = []
+    for k in (2, 3):
+        labels = torch.arange(n) % k
+        z = torch.randn(n, k, generator=generator, dtype=torch.float64)
+        tasks.append(
+            HeadTask(
+                tuple("abc"[:k]), 0, z, {"text_last": text.clone()}, labels, folds_of(n, 5), folds_of(n, 20)
+            )
+        )
+    first, second = (fitted.head for fitted in fit_heads(tasks))
+    assert torch.equal(first.mean, second.mean)  # the same basis ...
+    assert first.mean.data_ptr() != second.mean.data_ptr()  # ... but each head's own copy
+    identity = ModelIdentity("tiny", "config", (1.0,), "float32")
+    calibration = Calibration(
+        {"first": first, "second": second}, "schema", identity, {"first": "r", "second": "r"}
+    )
+    calibration.save(tmp_path / "cal.json")
+    loaded = Calibration.load(tmp_path / "cal.json")
+    for path, head in calibration.fields.items():
+        again = loaded.fields[path]
+        assert isinstance(head, FieldHead) and isinstance(again, FieldHead)
+        assert torch.equal(again.weight, head.weight) and torch.equal(again.mean, head.mean)
+        assert torch.equal(again.std, head.std)
 
 
 def test_the_confidence_step_fixes_underconfident_answers_and_changes_none():
