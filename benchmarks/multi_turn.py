@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.data import load_set
+from benchmarks.labels import fitted_answers
 from minicpm_pcd_adapters import load_smollm2
 from pcd_engine import Conversation, PCDEngine, PCDError, metrics
-from pcd_engine.fitting import decision_labels, fit
+from pcd_engine.fitting import decision_labels
 from pcd_engine.results import json_key
 
 SYSTEM = "You are a customer-support assistant. Classify the customer's last message."
@@ -127,16 +128,8 @@ def labeled(engine: PCDEngine, name: str, count: int, draws: int) -> dict[str, L
                 test = range(block * BLOCK, (block + 1) * BLOCK)
                 pool = [i for i in range(len(rows)) if i not in test]
                 picked = sorted(random.Random(draw * 7 + block).sample(pool, count))
-                calibration = fit(
-                    plan,
-                    engine.model_identity,
-                    [scored[i][0] for i in picked],
-                    [truth[i] for i in picked],
-                    "auto",
-                    hidden=[scored[i][1] for i in picked],
-                )
-                for i in test:
-                    answer = calibration.apply(scored[i][0], scored[i][1])
+                answers = fitted_answers(engine, plan, scored, truth, picked, test, "auto")
+                for i, answer in zip(test, answers, strict=True):
                     for p in paths:
                         pooled[p][0].append(list(answer[p].probabilities.values()))
                         pooled[p][1].append(values[p].index(json_key(truth[i][p])))
