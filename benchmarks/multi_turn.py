@@ -52,32 +52,6 @@ def accuracy(results: list[Any], rows: list[dict[str, Any]]) -> float:
     return right / total
 
 
-def measure(engine: PCDEngine, name: str, limit: int) -> list[tuple[str, float, float]]:
-    model, rows = load_set(name, limit)
-    conversations = [Conversation.of([("system", SYSTEM), *OPENING, ("user", row["text"])]) for row in rows]
-    runs = {
-        "single turn (reference)": lambda: engine.classify_batch(
-            [r["text"] for r in rows], model, instructions=SYSTEM, return_exceptions=True
-        ),
-        "turns (now)": lambda: engine.classify_batch(conversations, model, return_exceptions=True),
-        "flattened (before)": lambda: engine.classify_batch(
-            [Conversation(c.turns).text for c in conversations],
-            model,
-            instructions=SYSTEM,
-            return_exceptions=True,
-        ),
-    }
-    out = []
-    for label, run in runs.items():
-        started = time.perf_counter()
-        results = run()
-        out.append((label, accuracy(results, rows), time.perf_counter() - started))
-    return out
-
-
-BLOCK = 100
-
-
 def renderings(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Each rendering's inputs, scored under a plan whose instructions are SYSTEM: a conversation's
     system text takes the instructions' place (`engine.classify` does the same)."""
@@ -87,6 +61,19 @@ def renderings(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
         "turns (now)": turns,
         "flattened (before)": [Conversation(c.turns).text for c in turns],
     }
+
+
+def measure(engine: PCDEngine, name: str, limit: int) -> list[tuple[str, float, float]]:
+    model, rows = load_set(name, limit)
+    out = []
+    for label, inputs in renderings(rows).items():
+        started = time.perf_counter()
+        results = engine.classify_batch(inputs, model, instructions=SYSTEM, return_exceptions=True)
+        out.append((label, accuracy(results, rows), time.perf_counter() - started))
+    return out
+
+
+BLOCK = 100
 
 
 class Labeled(NamedTuple):
